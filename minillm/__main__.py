@@ -20,8 +20,9 @@ def gguf_summary(path: Path) -> dict:
 
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
+    except (ValueError, OSError, IndexError, KeyError, OverflowError) as exc:
+        # gguf's reader raises several types on a truncated or corrupt header
+        raise ValueError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
     def field(key: str, default=None):
         f = reader.fields.get(key)

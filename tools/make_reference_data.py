@@ -12,7 +12,8 @@ For the embedded SmolLM2-135M-Instruct GGUF (data/smollm2/):
   reference.safetensors            prompt_ids_i (T,), last_logits_i (V,) fp32, greedy_i (32,)
   reference.json                   the chat messages, the rendered prompts, the GGUF's sha256
 
-Then data/manifest.json lists every file with its size and sha256.
+Then data/manifest.json lists every file under data/ with its size and sha256 (including
+data/configs/, real hub config.json files copied by hand; `--manifest-only` rewrites just it).
 
 Everything is computed in fp32 with transformers' eager attention, from a model
 re-loaded from the files just written (so the folder on disk is what is checked).
@@ -49,7 +50,6 @@ _COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
     hidden_act="silu",
-    initializer_range=0.02,
     torch_dtype="float32",
     bos_token_id=1,
     eos_token_id=2,
@@ -306,8 +306,11 @@ def write_manifest() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write minillm's reference data with transformers.")
     parser.add_argument("--only", choices=[*TINY_MODELS, "smollm2"], help="rebuild one fixture")
+    parser.add_argument("--manifest-only", action="store_true", help="only rewrite data/manifest.json")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.manifest_only:
+        write_manifest()
+        return
     for i, (name, config) in enumerate(TINY_MODELS.items()):
         if args.only in (None, name):
             build_tiny(name, config, SEED + 100 * i)

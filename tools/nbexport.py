@@ -20,8 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 _DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+(\S+)\s*$")
-_EXPORT = re.compile(r"^#\|\s*export\s*$")
+_EXPORT = re.compile(r"^#\|\s*export[is]?\s*$")  # nbdev's export, exporti, exports
 _DIRECTIVE = re.compile(r"^#\|")
+HEADER_PREFIX = "# Generated from "
 
 
 class ExportError(Exception):
@@ -67,7 +68,7 @@ def module_text(notebook: Path, root: Path = ROOT) -> tuple[str, str] | None:
     if not re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*", module):
         raise ExportError(f"{notebook}: default_exp {module!r} is not a valid module name")
     rel = notebook.relative_to(root).as_posix()
-    header = f"# Generated from {rel} by tools/nbexport.py: edit the notebook, not this file.\n"
+    header = f"{HEADER_PREFIX}{rel} by tools/nbexport.py: edit the notebook, not this file.\n"
     return module, header + "\n" + "\n\n\n".join(chunks) + "\n"
 
 
@@ -93,8 +94,11 @@ def collect(root: Path = ROOT) -> dict[Path, tuple[Path, str]]:
 
 
 def stale(modules: dict[Path, tuple[Path, str]], root: Path = ROOT) -> list[str]:
-    """Describe each module whose file differs from its notebook."""
+    """Describe each module whose file differs from its notebook, and generated modules no notebook makes."""
     problems = []
+    for path in sorted((root / "minillm").rglob("*.py")):
+        if path not in modules and path.read_text(encoding="utf-8").startswith(HEADER_PREFIX):
+            problems.append(f"{path.relative_to(root)}: generated, but no notebook exports it (delete it?)")
     for path, (notebook, text) in modules.items():
         rel = path.relative_to(root)
         if not path.exists():

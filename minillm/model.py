@@ -1,0 +1,275 @@
+# Generated from notebooks/05_model.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""The Qwen2 / Qwen3 / Llama decoder, config-driven, with Hugging Face parameter names.
+
+Built in notebooks/05_model.ipynb from the parts of notebooks 02-04. One implementation covers
+Qwen2 and Qwen2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim) and the Llama family
+(SmolLM2, Llama 2/3), switched by explicit config flags.
+
+Shape legend: B batch, T tokens, S keys, H heads, Hkv kv heads, D head dim, V vocab.
+
+References:
+- Qwen2 technical report (arXiv:2407.10671); Qwen3 technical report (arXiv:2505.09388).
+- transformers' modeling_qwen2.py, modeling_qwen3.py, modeling_llama.py (same parameter names).
+- gpt-fast model.py and nanoGPT (style).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.attention import attention_mask, scaled_dot_product_attention
+from minillm.layers import MLP, RMSNorm
+from minillm.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder's shape and flags, with Hugging Face config.json field names."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: always)
+    qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config") -> ModelConfig:
+        """Build from a config.json dict; errors name the field and `source` (e.g. the file)."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [name for name in _REQUIRED if name not in cfg]
+        if model_type == "qwen3" and "head_dim" not in cfg:
+            missing.append("head_dim")
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {', '.join(missing)} for model_type {model_type!r}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported; supported: 'silu'")
+        if cfg.get("use_sliding_window", False):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta"))
+        if rope_theta is None:
+            raise ValueError(f"{source}: missing field rope_theta (or rope_parameters.rope_theta)")
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,  # HF: absent means no GQA
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,  # HF rule for llama/qwen2
+            max_position_embeddings=cfg["max_position_embeddings"],
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"model config not found: {path}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(cfg, source=str(path))
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads, RoPE, optional q/k/v bias and q/k norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, H, Hkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        if H % Hkv:
+            raise ValueError(f"num_attention_heads {H} is not a multiple of num_key_value_heads {Hkv}")
+        self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
+        self.q_proj = nn.Linear(h, H * D, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, Hkv * D, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, Hkv * D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(H * D, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H*D) -> (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        if self.q_norm is not None:  # Qwen3: normalise each head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = scaled_dot_product_attention(q, k, v, mask)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, H, T, D) -> (B, T, H*D)
+        return self.o_proj(out)  # (B, T, h)
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # (B, T, h)
+        return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, h)
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm: HF's `model.` prefix."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model: forward(input_ids (B, T)) -> logits (B, T, V)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,), not a weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) int; positions (B, T) or (T,); attention_mask (B, T) 1 = token, 0 = padding."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"input of {T} tokens exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got min {int(input_ids.min())} max {int(input_ids.max())}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask must be (B, T) = {(B, T)}, got {tuple(attention_mask.shape)}")
+        if positions is None:
+            if attention_mask is None:
+                positions = torch.arange(T, device=input_ids.device)  # (T,)
+            else:  # left padding: count real tokens before each position
+                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        x = self.model.embed_tokens(input_ids)  # (B, T, h)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype=x.dtype)  # (B or 1, T, D)
+        mask = attention_mask_for(T, attention_mask, x.device)  # bool, broadcasts to (B, 1, T, T)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask)
+        x = self.model.norm(x)  # (B, T, h)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V, h)
+        return F.linear(x, weight)  # (B, T, V)
+
+
+def attention_mask_for(T: int, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The causal mask for T new tokens at positions 0..T-1, combined with a (B, T) padding mask."""
+    return attention_mask(T, T, start=0, attention_mask=padding, device=device)
+
+
+def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor], source: str = "state dict") -> list[str]:
+    """Copy HF-named tensors into `model` (cast to its dtype); return the names skipped on purpose.
+
+    Raises ValueError naming every missing, unexpected or wrong-shaped tensor.
+    """
+    expected = model.state_dict()
+    skipped = []
+    for name in state_dict:
+        if name not in expected:
+            tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
+            if tied_head or name.endswith("rotary_emb.inv_freq"):
+                skipped.append(name)
+    unexpected = sorted(set(state_dict) - set(expected) - set(skipped))
+    missing = sorted(set(expected) - set(state_dict))
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append(f"missing tensor(s): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected tensor(s): {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+        raise ValueError(f"{source}: " + "; ".join(parts))
+    for name, target in expected.items():
+        tensor = state_dict[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+    with torch.no_grad():
+        for name, target in expected.items():
+            target.copy_(state_dict[name])
+    return skipped
+
+
+def from_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+    """A model from a folder with config.json and a single model.safetensors (shards: see the weights notebook)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = ModelConfig.from_json(folder / "config.json")
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"weights not found: {weights}")
+    model = CausalLM(config).to(dtype=dtype, device=device)
+    load_weights(model, load_file(weights, device=str(device)), source=str(weights))
+    return model.eval()
