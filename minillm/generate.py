@@ -1,0 +1,318 @@
+# Generated from notebooks/10_generate.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""The generation loop: prefill, decode, sample, stream, stop; metrics; and the public API.
+
+Built in notebooks/10_generate.ipynb from the model (05), weights (06), tokenizer (07),
+KV cache (08) and sampling (09). The loop is a generator of `Step`s, so streaming, stopping
+early and Ctrl-C need nothing special. Metrics follow the Candle article's InferenceMetrics.
+
+Shape legend: B batch, T tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minillm.kv_cache import make_cache
+from minillm.model import CausalLM
+from minillm.sampling import SamplingParams, make_generator, sample
+from minillm.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class Metrics:
+    """What one generation cost. Times in milliseconds; memory in MiB (process peak RSS on CPU,
+    torch.cuda.max_memory_allocated on CUDA)."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_ms: float
+    time_to_first_token_ms: float
+    decode_ms_per_token: float
+    tokens_per_s: float
+    peak_memory_mib: float
+    device: str
+
+    def __str__(self) -> str:
+        return (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens}; "
+                f"prefill {self.prefill_ms:.0f} ms ({self.prompt_tokens / max(self.prefill_ms, 1e-9) * 1e3:.0f} tok/s), "
+                f"first token {self.time_to_first_token_ms:.0f} ms, decode {self.decode_ms_per_token:.1f} ms/token "
+                f"({self.tokens_per_s:.1f} tok/s), peak memory {self.peak_memory_mib:.0f} MiB on {self.device}")
+
+
+@dataclass
+class Step:
+    """One step of the loop: the text it completed ('' while a character or a possible stop
+    string is pending), the token chosen and its logprob; the last step has finish_reason and metrics."""
+
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+    metrics: Metrics | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: Metrics
+    logprobs: list[float] = field(default_factory=list)
+
+
+def check_prompt(prompt_len: int, max_new_tokens: int, context: int) -> None:
+    """ValueError naming both numbers when the prompt cannot fit, or max_new_tokens is not >= 1."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if prompt_len < 1:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    if prompt_len >= context:
+        raise ValueError(f"the prompt has {prompt_len} tokens but the context holds {context}; "
+                         "shorten the prompt (at least one token must be left to generate)")
+
+
+class StopStrings:
+    """Holds back text that might be the start of a stop string; finds the first complete one."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was found)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _drain(decoder: StreamDecoder, stops: StopStrings) -> str:
+    """At the end: whatever the decoder and the stop-string holder still hold."""
+    text, hit = stops.push(decoder.flush())
+    return text if hit else text + stops.flush()
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+@torch.no_grad()
+def stream(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams = SamplingParams(temperature=0),
+    max_new_tokens: int = 256,
+    stop: Sequence[str] = (),
+    eos_token_ids: Sequence[int] | None = None,
+) -> Iterator[Step]:
+    """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics."""
+    device = next(model.parameters()).device
+    context = model.config.max_position_embeddings
+    check_prompt(len(prompt_ids), max_new_tokens, context)
+    eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    total = min(len(prompt_ids) + max_new_tokens, context)  # the cache never needs more
+    cache = make_cache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
+    generator = make_generator(params.seed, device)
+    decoder, stops = StreamDecoder(tokenizer, skip_special_tokens=True), StopStrings(stop)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    start = _now(device)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, T)
+    logits = model(ids, cache=cache, start_pos=0)[:, -1]  # prefill: (1, V)
+    prefill_done = _now(device)
+    seen, generated, finish = list(prompt_ids), [], None
+    first_token_at = None
+    while finish is None:
+        pick = sample(logits, params, generator, token_ids=[seen], prompt_lengths=[len(prompt_ids)])
+        token = int(pick.tokens[0])
+        first_token_at = first_token_at or _now(device)
+        seen.append(token)
+        generated.append(token)
+        if token in eos:  # the end-of-turn token itself is not text
+            finish, text = "stop", _drain(decoder, stops)
+        else:
+            text, hit = stops.push(decoder.push(token))
+            if hit:
+                finish = "stop"
+            elif len(generated) == max_new_tokens or len(seen) == context:
+                finish, text = "length", text + _drain(decoder, stops)
+        top = pick.top_logprobs[0] if pick.top_logprobs else None
+        step = Step(text, token, float(pick.logprobs[0]), top, finish)
+        if finish is None:
+            logits = model(pick.tokens.view(1, 1), cache=cache, start_pos=len(seen) - 1)[:, -1]  # decode: (1, V)
+            yield step
+    end = _now(device)
+    decode_s = end - first_token_at
+    step.metrics = Metrics(
+        prompt_tokens=len(prompt_ids),
+        generated_tokens=len(generated),
+        prefill_ms=(prefill_done - start) * 1e3,
+        time_to_first_token_ms=(first_token_at - start) * 1e3,
+        decode_ms_per_token=decode_s * 1e3 / max(len(generated) - 1, 1),
+        tokens_per_s=(len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
+        peak_memory_mib=_peak_memory_mib(device),
+        device=device.type,
+    )
+    yield step
+
+
+def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int], **kwargs) -> Completion:
+    """stream(...) collected: the whole text, the generated ids, the finish reason and the metrics."""
+    texts, ids, logprobs = [], [], []
+    for step in stream(model, tokenizer, prompt_ids, **kwargs):
+        texts.append(step.text)
+        ids.append(step.token_id)
+        logprobs.append(step.logprob)
+    return Completion("".join(texts), ids, step.finish_reason, step.metrics, logprobs)
+
+
+@torch.no_grad()
+def generate_batch(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams = SamplingParams(temperature=0),
+    max_new_tokens: int = 256,
+    eos_token_ids: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Generated ids for each prompt, run as one left-padded batch (B rows share each forward)."""
+    device = next(model.parameters()).device
+    B, T = len(prompts), max(len(p) for p in prompts)
+    for p in prompts:
+        check_prompt(len(p), max_new_tokens, model.config.max_position_embeddings)
+    eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    total = min(T + max_new_tokens, model.config.max_position_embeddings)
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    mask = torch.zeros(B, total, dtype=torch.long, device=device)  # 1 = real token, over the whole cache
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(list(p), device=device)  # left padding
+        mask[b, T - len(p):] = 1
+    cache = make_cache(model.config, B, total, dtype=next(model.parameters()).dtype, device=device)
+    generator = make_generator(params.seed, device)
+    logits = model(ids, attention_mask=mask[:, :T], cache=cache)[:, -1]  # (B, V)
+    seen = [list(p) for p in prompts]
+    out, done = [[] for _ in prompts], [False] * B
+    for pos in range(T, total):
+        tokens = sample(logits, params, generator, token_ids=seen, prompt_lengths=[len(p) for p in prompts]).tokens
+        for b, t in enumerate(tokens.tolist()):
+            if not done[b]:
+                out[b].append(t)
+                seen[b].append(t)
+                done[b] = t in eos or len(out[b]) == max_new_tokens
+        if all(done) or pos + 1 == total:
+            break
+        logits = model(tokens[:, None], attention_mask=mask[:, : pos + 1], cache=cache, start_pos=pos)[:, -1]
+    return out
+
+
+class LLM:
+    """A model and its tokenizer, with chat, generate and stream in a line each."""
+
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def encode_chat(self, messages: Sequence[dict], **template_kwargs) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"{self.tokenizer.source} has no chat template; use generate(prompt) with plain text")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+
+    def _ids(self, prompt_or_messages) -> list[int]:
+        if isinstance(prompt_or_messages, str):
+            return self.tokenizer.encode(prompt_or_messages)
+        return self.encode_chat(prompt_or_messages)
+
+    def generate(self, prompt: str, params: SamplingParams | None = None, **kwargs) -> Completion:
+        """Continue plain text (no chat template)."""
+        return generate(self.model, self.tokenizer, self.tokenizer.encode(prompt),
+                        params=params or SamplingParams(temperature=0), **kwargs)
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, **kwargs) -> Completion:
+        """Answer chat messages ([{"role": "user", "content": ...}, ...]) through the chat template."""
+        return generate(self.model, self.tokenizer, self.encode_chat(messages),
+                        params=params or SamplingParams(temperature=0), **kwargs)
+
+    def stream(self, prompt_or_messages, params: SamplingParams | None = None, **kwargs) -> Iterator[str]:
+        """Text pieces as they are generated, for a plain prompt (str) or chat messages (list)."""
+        for step in stream(self.model, self.tokenizer, self._ids(prompt_or_messages),
+                           params=params or SamplingParams(temperature=0), **kwargs):
+            if step.text:
+                yield step.text
+
+
+def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
+         device: str | torch.device | None = None) -> LLM:
+    """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct."""
+    from minillm.embedded import embedded_gguf_path
+    from minillm.weights import load_model
+
+    source = embedded_gguf_path() if model is None else model
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
+    path = Path(source)
+    if path.suffix == ".gguf":
+        tokenizer = Tokenizer.from_gguf(path)
+    elif path.is_dir():
+        tokenizer = Tokenizer.from_folder(path)
+    else:  # a hub id: load_model has put it in the cache
+        from minillm.weights import download
+        tokenizer = Tokenizer.from_folder(download(str(source)))
+    return LLM(net, tokenizer)
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """'float32' / 'float16' / 'bfloat16' (or fp32, fp16, bf16; 'auto' or None = the device's default)."""
+    if name in (None, "auto"):
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str | torch.device | None) -> torch.device | None:
+    """'cpu', 'cuda', 'cuda:N', 'mps' (or 'auto' / None = CUDA, then MPS, then CPU), checked for availability."""
+    from minillm.tensor import pick_device
+
+    if name in (None, "auto"):
+        return pick_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; choose one of: auto, cpu, cuda, cuda:N, mps") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unknown device {name!r}; choose one of: auto, cpu, cuda, cuda:N, mps")
+    pick_device(device.type)  # raises if that kind of device is not available here
+    return device
