@@ -37,9 +37,10 @@ export:
 check-export:
 	$(PY) tools/nbexport.py --check
 
-# Export, then re-execute every notebook in place, top to bottom, in order.
+# Export, regenerate the exercises, then re-execute every notebook in place, top to bottom, in order.
 notebooks: $(VENV)/.dev
 	$(PY) tools/nbexport.py
+	$(PY) tools/make_exercises.py
 	for nb in notebooks/*.ipynb; do \
 		$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; \
 	done

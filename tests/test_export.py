@@ -94,6 +94,23 @@ def test_export_writes_only_export_cells_under_a_header(project):
     assert sorted(p.name for p in (project / "minillm").iterdir()) == ["attention.py"]
 
 
+def test_export_drops_exactly_the_solution_marker_lines(project):
+    write_notebook(project, "10_norm.ipynb", [
+        code("#| default_exp norm"),
+        code('#| export\ndef double(x):\n    """Twice x."""\n    ### BEGIN SOLUTION\n    y = 2 * x\n'
+             '    return y  # ### END SOLUTION stays: not a marker line\n    ### END SOLUTION\n'),
+        code("def scratch():\n    ### BEGIN SOLUTION\n    return 0\n    ### END SOLUTION"),
+    ])  # fmt: skip
+    assert export(project) == 0
+    text = (project / "minillm" / "norm.py").read_text(encoding="utf-8")
+    assert "### BEGIN SOLUTION" not in text and "\n    ### END SOLUTION" not in text
+    assert '    """Twice x."""\n    y = 2 * x\n    return y  # ### END SOLUTION stays: not a marker line\n' in text
+    namespace: dict = {}
+    exec(compile(text, "norm.py", "exec"), namespace)
+    assert namespace["double"](3) == 6 and "scratch" not in namespace
+    assert export(project, "--check") == 0
+
+
 def test_check_passes_after_export_and_names_a_stale_module(project, capsys):
     notebook = write_notebook(project, "10_attention.ipynb", ATTENTION_CELLS)
     module = project / "minillm" / "attention.py"

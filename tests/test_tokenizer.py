@@ -321,3 +321,27 @@ def test_planted_bug_per_token_decode_caught(qwen):
     naive = [qwen.decode([i]) for i in ids]
     assert any("\ufffd" in p for p in naive)
     assert not any("\ufffd" in p for p in stream(qwen, ids))
+
+
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("enable_thinking", [None, True, False])
+def test_template_kwargs_like_qwen3_enable_thinking(smol, enable_thinking):
+    """Extra template variables (Qwen3's enable_thinking) reach the template as in transformers."""
+    from transformers import AutoTokenizer
+
+    path = embedded_gguf_path()
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    expected = hf.apply_chat_template(messages, chat_template=QWEN3_STYLE_TEMPLATE, tokenize=False,
+                                      add_generation_prompt=True, **kwargs)
+    assert render_chat(QWEN3_STYLE_TEMPLATE, messages, add_generation_prompt=True, **kwargs) == expected
+    assert ("<think>" in expected) == (enable_thinking is False)

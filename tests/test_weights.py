@@ -10,6 +10,7 @@ the cause. A planted bug (the q/k permutation left in) must make the comparison 
 import json
 import random
 import shutil
+import struct
 from pathlib import Path
 
 import gguf
@@ -507,3 +508,38 @@ def test_stream_safetensors_equals_the_safetensors_library(name):
     assert ours.keys() == theirs.keys()
     for key, tensor in theirs.items():
         assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), key
+
+
+def _mutate_tensor_info(good: bytes, tensor: str, field: str, value: int) -> bytes:
+    """Change one field of a tensor's info in a GGUF header: n_dims, dim0, type or offset."""
+    name = tensor.encode()
+    at = good.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", good, at)[0]
+    where = {"n_dims": (at, "<I"), "dim0": (at + 4, "<Q"), "type": (at + 4 + 8 * n_dims, "<I"),
+             "offset": (at + 8 + 8 * n_dims, "<Q")}[field]
+    out = bytearray(good)
+    struct.pack_into(where[1], out, where[0], value)
+    return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda g: g[:4] + struct.pack("<I", 99) + g[8:], "version 99"),
+        (lambda g: g[:8] + struct.pack("<Q", 2**60) + g[16:], "not a readable GGUF file"),  # tensor count
+        (lambda g: g[:16] + struct.pack("<Q", 2**60) + g[24:], "not a readable GGUF file"),  # metadata count
+        (lambda g: _mutate_tensor_info(g, "output_norm.weight", "dim0", 0), "output_norm.weight"),
+        (lambda g: _mutate_tensor_info(g, "output_norm.weight", "dim0", 2**40), "bad.gguf: not a readable GGUF"),
+        (lambda g: _mutate_tensor_info(g, "output_norm.weight", "offset", 2**40), "bad.gguf: not a readable GGUF"),
+        (lambda g: _mutate_tensor_info(g, "output_norm.weight", "offset", 3), "output_norm.weight"),  # misaligned
+        (lambda g: _mutate_tensor_info(g, "output_norm.weight", "type", 9999), "not a readable GGUF file"),
+    ],
+    ids=["bad-version", "absurd-tensor-count", "absurd-metadata-count", "zero-dim", "oversized-dim",
+         "offset-past-end", "misaligned-offset", "unknown-type"],
+)
+def test_gguf_header_fields_are_bounds_checked(change, message, tmp_path):
+    good = write_gguf("tiny-llama", tmp_path / "m.gguf").read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(change(good))
+    with pytest.raises(WeightsError, match=message):
+        load_gguf(bad)

@@ -3,6 +3,8 @@
 Markup (compatible with nbdev):
     #| default_exp attention   in a code cell: this notebook writes minillm/attention.py
     #| export                  on a code cell: the cell's code belongs in that module
+    ### BEGIN SOLUTION         nbgrader-style marker lines around an exercise's solution
+    ### END SOLUTION           (tools/make_exercises.py); the module drops these two lines
 
 Usage:
     python tools/nbexport.py            write every module from its notebook
@@ -22,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+(\S+)\s*$")
 _EXPORT = re.compile(r"^#\|\s*export[is]?\s*$")  # nbdev's export, exporti, exports
 _DIRECTIVE = re.compile(r"^#\|")
+_SOLUTION = re.compile(r"^\s*### (BEGIN|END) SOLUTION\s*$")
 HEADER_PREFIX = "# Generated from "
 
 
@@ -56,7 +59,8 @@ def module_text(notebook: Path, root: Path = ROOT) -> tuple[str, str] | None:
                     )
                 module = match.group(1)
         if any(_EXPORT.match(line) for line in directives):
-            code = "\n".join(line for line in lines if not _DIRECTIVE.match(line)).strip("\n")
+            kept = [line for line in lines if not _DIRECTIVE.match(line) and not _SOLUTION.match(line)]
+            code = "\n".join(kept).strip("\n")
             if code:
                 chunks.append(code)
     if not chunks:

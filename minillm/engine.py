@@ -1,0 +1,246 @@
+# Generated from notebooks/12_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""Continuous batching: Sequence -> Scheduler -> Engine.step -> Engine.generate.
+
+Built in notebooks/12_engine.ipynb on the paged KV cache (notebook 11). Each step admits waiting
+sequences while KV blocks allow, prefills them, runs one batched decode forward for all running
+sequences, samples each with its own parameters, streams text, finishes sequences on their stop
+conditions and frees their blocks. Out of blocks: the newest running sequence is preempted
+(blocks freed, requeued, recomputed later). In the manner of nano-vllm, without its global context.
+
+Shape legend: B batch (running sequences), T new tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.generate import StopStrings
+from minillm.model import CausalLM
+from minillm.paged_cache import BlockManager, make_paged_cache, paged_forward
+from minillm.sampling import SamplingParams, make_generator, sample
+from minillm.tokenizer import StreamDecoder, Tokenizer
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Sequence:
+    """One request: prompt and output ids, sampling parameters, stop rules and streaming state."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    stop: StopStrings
+    decoder: StreamDecoder
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: str = WAITING
+    pending: int | None = None  # sampled, KV not yet computed
+    finish_reason: str | None = None
+    error: str | None = None
+    preemptions: int = 0
+    num_cached: int = 0  # leading tokens whose KV the prefix cache already held at admission
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class Output:
+    """What one step produced for one request: new text (may be ''), the token, and the end."""
+
+    request_id: int
+    token_id: int | None
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Scheduler:
+    """Who runs this step: admits waiting sequences while blocks allow; preempts the newest on shortage."""
+
+    def __init__(self, manager: BlockManager, max_num_seqs: int, max_model_len: int):
+        self.manager, self.max_num_seqs, self.max_model_len = manager, max_num_seqs, max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.status == RUNNING:
+            self.manager.free(seq.id)
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason, seq.error = FINISHED, reason, error
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free all of seq's blocks and requeue it first; its pending token becomes output to recompute."""
+        self.manager.free(seq.id)
+        self.running.remove(seq)
+        if seq.pending is not None:  # sampled and streamed already: keep it, its KV is recomputed
+            seq.output_ids.append(seq.pending)
+        seq.status, seq.pending = WAITING, None
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+        """Returns (admitted: to prefill, decoding: to run one decode step, rejected: can never fit)."""
+        decoding = []
+        for seq in list(self.running):  # oldest first
+            if seq.status != RUNNING:
+                continue  # preempted while making room for an older one
+            while not self.manager.can_append(seq.id):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == RUNNING:
+                self.manager.append(seq.id, seq.pending)
+                decoding.append(seq)
+        admitted, rejected = [], []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            ids = seq.token_ids
+            if self.manager.blocks_needed(len(ids) + 1) > self.manager.num_blocks or len(ids) >= self.max_model_len:
+                self.waiting.popleft()
+                rejected.append(seq)
+                continue
+            if not self.manager.can_allocate(ids):
+                break  # oldest first: wait for blocks
+            self.waiting.popleft()
+            seq.num_cached = self.manager.allocate(seq.id, ids)
+            seq.status = RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted, decoding, rejected
+
+
+class Engine:
+    """A model, a paged KV cache and a scheduler: add_request, step, abort, generate."""
+
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, num_blocks: int = 512, block_size: int = 16,
+                 max_num_seqs: int = 64, enable_prefix_caching: bool = True):
+        self.model, self.tokenizer = model, tokenizer
+        param = next(model.parameters())
+        self.device = param.device
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.cache = make_paged_cache(model.config, num_blocks, block_size, dtype=param.dtype, device=self.device)
+        self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings)
+        self.sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
+                    stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> int:
+        """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        self.tokenizer.check_ids(prompt_ids)
+        params = params or SamplingParams(temperature=0)
+        eos = self.tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
+        seq = Sequence(next(self._ids), list(prompt_ids), params, max_new_tokens, frozenset(eos),
+                       StopStrings(stop), StreamDecoder(self.tokenizer, skip_special_tokens=True),
+                       make_generator(params.seed, self.device))
+        self.sequences[seq.id] = seq
+        self.scheduler.add(seq)
+        return seq.id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now (a client hung up) and free everything it held."""
+        seq = self.sequences.get(request_id)
+        if seq is not None and seq.status != FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    @torch.no_grad()
+    def step(self) -> list[Output]:
+        admitted, decoding, rejected = self.scheduler.schedule()
+        outputs = []
+        for seq in rejected:
+            blocks = self.manager.blocks_needed(len(seq.token_ids) + 1)
+            self.scheduler.finish(seq, "error", f"request of {len(seq.token_ids)} tokens needs {blocks} KV blocks "
+                                  f"(context {self.scheduler.max_model_len}); the pool has {self.manager.num_blocks}")
+            outputs.append(Output(seq.id, None, "", True, "error", seq.error))
+        self._copy_blocks()
+        for seq in admitted:  # prefill, each alone: only the tokens the prefix cache does not hold
+            new = seq.token_ids[seq.num_cached:]
+            logits = paged_forward(self.model, self.cache, self.manager, [seq.id],
+                                   torch.tensor([new], device=self.device))[:, -1]  # (1, V)
+            outputs += self._sample([seq], logits)
+        if decoding:
+            ids = torch.tensor([[seq.pending] for seq in decoding], device=self.device)  # (B, 1)
+            logits = paged_forward(self.model, self.cache, self.manager, [s.id for s in decoding], ids)[:, -1]  # (B, V)
+            outputs += self._sample(decoding, logits)
+        return outputs
+
+    def _copy_blocks(self) -> None:
+        pairs = self.manager.take_copies()  # copy-on-write of shared blocks, for every layer
+        if pairs:
+            for layer in self.cache:
+                layer.copy_blocks(pairs)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
+        outputs = []
+        for seq, row in zip(seqs, logits):
+            if seq.pending is not None:  # its KV was just computed: it is now part of the output
+                seq.output_ids.append(seq.pending)
+                seq.pending = None
+            try:
+                pick = sample(row[None], seq.params, seq.generator, token_ids=[seq.token_ids],
+                              prompt_lengths=[len(seq.prompt_ids)])
+            except ValueError as exc:  # NaN logits, ...: this request fails, the others go on
+                self.scheduler.finish(seq, "error", str(exc))
+                outputs.append(Output(seq.id, None, "", True, "error", str(exc)))
+                continue
+            outputs.append(self._advance(seq, int(pick.tokens[0])))
+        return outputs
+
+    def _advance(self, seq: Sequence, token: int) -> Output:
+        """Record a sampled token: stream its text, or finish the sequence."""
+        n_out = len(seq.output_ids) + 1
+        if token in seq.eos_token_ids:
+            seq.output_ids.append(token)
+            text = seq.stop.push(seq.decoder.flush())[0] + seq.stop.flush()
+            self.scheduler.finish(seq, "stop")
+            return Output(seq.id, token, text, True, "stop")
+        text, hit = seq.stop.push(seq.decoder.push(token))
+        if hit:
+            seq.output_ids.append(token)
+            self.scheduler.finish(seq, "stop")
+            return Output(seq.id, token, text, True, "stop")
+        if n_out >= seq.max_new_tokens or len(seq.token_ids) + 1 >= self.scheduler.max_model_len:
+            seq.output_ids.append(token)
+            text += seq.stop.push(seq.decoder.flush())[0] + seq.stop.flush()
+            self.scheduler.finish(seq, "length")
+            return Output(seq.id, token, text, True, "length")
+        seq.pending = token  # computed by the next decode step
+        return Output(seq.id, token, text)
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 max_new_tokens: int | Seq[int] = 256, **kwargs) -> list[dict]:
+        """Run many requests to the end; per request: token_ids, text, finish_reason (and error)."""
+        n = len(prompts)
+        params = params if isinstance(params, (list, tuple)) else [params] * n
+        limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+        ids = [self.add_request(p, q, m, **kwargs) for p, q, m in zip(prompts, params, limits)]
+        texts = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                texts[out.request_id].append(out.text)
+        return [{"token_ids": self.sequences[i].output_ids, "text": "".join(texts[i]),
+                 "finish_reason": self.sequences[i].finish_reason, "error": self.sequences[i].error} for i in ids]

@@ -1,0 +1,105 @@
+"""The continuous-batching engine equals one-at-a-time generation, under any preemption."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm.embedded import embedded_gguf_path
+from minillm.engine import Engine
+from minillm.generate import generate
+from minillm.model import from_folder
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_gguf(embedded_gguf_path())  # decodes any id < 320: the tiny models have no tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return from_folder(DATA / "tiny-qwen3")
+
+
+def mixed(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 320, (int(k),), generator=g).tolist() for k in torch.randint(1, 70, (n,), generator=g)]
+    limits = [int(k) for k in torch.randint(1, 40, (n,), generator=g)]
+    return prompts, limits
+
+
+def alone(model, tok, prompts, limits):
+    return [generate(model, tok, p, max_new_tokens=m, eos_token_ids=()).token_ids for p, m in zip(prompts, limits)]
+
+
+@pytest.mark.parametrize("num_blocks", [512, 20], ids=["roomy", "forced-preemption"])
+def test_sixteen_concurrent_requests_equal_one_at_a_time(tiny, tok, num_blocks):
+    prompts, limits = mixed(18)
+    engine = Engine(tiny, tok, num_blocks=num_blocks)
+    out = engine.generate(prompts, max_new_tokens=limits, eos_token_ids=())
+    assert [r["token_ids"] for r in out] == alone(tiny, tok, prompts, limits)
+    assert all(r["finish_reason"] == "length" for r in out)
+    assert engine.manager.num_free_blocks == num_blocks
+    preemptions = sum(s.preemptions for s in engine.sequences.values())
+    assert (preemptions > 0) == (num_blocks == 20)
+
+
+def test_shared_prefix_with_prefix_caching_equals_one_at_a_time(tiny, tok):
+    system = list(range(10, 60))  # 50 shared tokens: 3 full blocks
+    prompts = [system + [100 + k, 101 + k] for k in range(6)]
+    engine = Engine(tiny, tok, num_blocks=128, enable_prefix_caching=True)
+    out = engine.generate(prompts, max_new_tokens=8, eos_token_ids=())
+    assert [r["token_ids"] for r in out] == alone(tiny, tok, prompts, [8] * 6)
+    assert engine.manager.num_free_blocks == 128
+
+
+def test_sampled_requests_keep_their_own_seeds(tiny, tok):
+    prompts, _ = mixed(6, seed=3)
+    params = [SamplingParams(temperature=1.0, seed=k) for k in range(6)]
+    together = Engine(tiny, tok).generate(prompts, params=params, max_new_tokens=12, eos_token_ids=())
+    for p, q, r in zip(prompts, params, together):
+        assert r["token_ids"] == generate(tiny, tok, p, params=q, max_new_tokens=12, eos_token_ids=()).token_ids
+
+
+def test_request_that_never_fits_gets_a_clear_reason_and_abort_frees(tiny, tok):
+    engine = Engine(tiny, tok, num_blocks=4)
+    huge = engine.add_request(list(range(3, 100)), max_new_tokens=4)
+    small = engine.add_request([5, 6, 7], max_new_tokens=4, eos_token_ids=())
+    gone = engine.add_request([8, 9], max_new_tokens=40, eos_token_ids=())
+    engine.step()
+    engine.abort(gone)
+    while engine.has_unfinished():
+        engine.step()
+    s = engine.sequences
+    assert s[huge].finish_reason == "error" and "needs 7 KV blocks" in s[huge].error and "pool has 4" in s[huge].error
+    assert s[small].finish_reason == "length" and len(s[small].output_ids) == 4
+    assert s[gone].finish_reason == "abort"
+    assert engine.manager.num_free_blocks == 4
+
+
+def test_eos_and_stop_strings_finish_requests(tok):
+    from minillm.weights import from_gguf
+
+    smol = from_gguf(embedded_gguf_path())
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}])
+             for q in ["What is the capital of France?", "Name three colors."]]
+    engine = Engine(smol, tok, num_blocks=128)
+    out = engine.generate(chats, max_new_tokens=40)
+    for c, r in zip(chats, out):
+        ref = generate(smol, tok, c, max_new_tokens=40)
+        assert (r["token_ids"], r["text"], r["finish_reason"]) == (ref.token_ids, ref.text, ref.finish_reason)
+    cut = Engine(smol, tok).generate(chats[:1], max_new_tokens=40, stop=["France"])[0]
+    assert cut["finish_reason"] == "stop" and "France" not in cut["text"]
+
+
+def test_bad_requests_fail_alone(tiny, tok):
+    engine = Engine(tiny, tok)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        engine.add_request([1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], max_new_tokens=3)
+    assert not engine.has_unfinished()
