@@ -3,6 +3,7 @@
     python -m minillm generate "What is the capital of France?" --temperature 0 --stats
     python -m minillm chat                       # interactive, streaming; /reset, /exit
     python -m minillm info                       # what is inside a GGUF file
+    python -m minillm serve --port 8000          # an OpenAI-compatible server on 127.0.0.1
 
 The default model is the embedded SmolLM2-135M-Instruct GGUF (offline); --model takes a hub
 id, a model folder or a .gguf file.
@@ -151,11 +152,34 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": answer})
 
 
+def cmd_serve(args) -> int:
+    from minillm.server import serve
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    llm = _load(args)
+    name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model
+                                      else "smollm2-135m-instruct")
+    print(f"minillm: serving {name} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+    serve(llm, host=args.host, port=args.port, model_name=name, num_blocks=args.num_blocks,
+          max_in_flight=args.max_in_flight)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minillm", description="Run a language model with minillm.")
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="summarize a GGUF file (default: the embedded model)")
     info.add_argument("--model", help="a .gguf file")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
+    serve.add_argument("--model", help="hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    serve.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="the model id clients send (default: from --model)")
+    serve.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks of 16 tokens (default: 256)")
+    serve.add_argument("--max-in-flight", type=int, default=128, help="requests at once; more get 429 (default: 128)")
     for name, help_text in (("generate", "answer one prompt, streaming"), ("chat", "interactive chat, streaming")):
         p = sub.add_parser(name, help=help_text)
         if name == "generate":
@@ -179,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat, None: cmd_info}[args.command]
+    command = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+               None: cmd_info}[args.command]
     if args.command is None:
         args.model = None
     try:

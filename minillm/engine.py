@@ -56,7 +56,8 @@ class Sequence:
 
 @dataclass
 class Output:
-    """What one step produced for one request: new text (may be ''), the token, and the end."""
+    """What one step produced for one request: new text (may be ''), the token, its logprob
+    (and the top-n when params.logprobs asks), and the end."""
 
     request_id: int
     token_id: int | None
@@ -64,6 +65,8 @@ class Output:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Scheduler:
@@ -207,7 +210,10 @@ class Engine:
                 self.scheduler.finish(seq, "error", str(exc))
                 outputs.append(Output(seq.id, None, "", True, "error", str(exc)))
                 continue
-            outputs.append(self._advance(seq, int(pick.tokens[0])))
+            out = self._advance(seq, int(pick.tokens[0]))
+            out.logprob = float(pick.logprobs[0])
+            out.top_logprobs = pick.top_logprobs[0] if pick.top_logprobs else None
+            outputs.append(out)
         return outputs
 
     def _advance(self, seq: Sequence, token: int) -> Output:
