@@ -572,6 +572,70 @@ def kv_cache_update(cls) -> bool:
     return _run("KVCache.update", body)
 
 
+# ------------------------------------------------------------------ 11 paged cache
+
+
+def _paged_pool(seed: int = 0):
+    from minillm.paged_cache import PagedKVCache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(8, 4, 2, 3)  # 8 blocks of 4 slots, Hkv 2, D 3
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    return cache
+
+
+def gather_reference(fn) -> bool:
+    """gather_reference(cache, block_table, length) -> k, v (Hkv, length, D), read block by block."""
+    def body():
+        cache = _paged_pool()
+        table, length = [5, 1, 6], 10  # 4 + 4 + 2 tokens: the last block only partly used
+        slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(length)])
+        expected_k = cache.k.view(-1, 2, 3)[slots].transpose(0, 1)  # (length, Hkv, D) -> (Hkv, length, D)
+        expected_v = cache.v.view(-1, 2, 3)[slots].transpose(0, 1)
+        got = fn(cache, table, length)
+        if not isinstance(got, tuple) or len(got) != 2:
+            _fail(f"expected a tuple (k, v), got {type(got).__name__}")
+        whole = cache.k[table].reshape(-1, 2, 3).transpose(0, 1)  # every slot of every block
+        _compare("k for table [5, 1, 6], length 10", got[0], expected_k,
+                 mistakes=[("the last block is only partly used: take length - i * block_size rows of it", whole),
+                           ("return (Hkv, length, D): transpose the (length, Hkv, D) you gathered",
+                            expected_k.transpose(0, 1))],
+                 hint="block i of the table holds positions i*bs .. i*bs+bs-1: read cache.k[block, :n] in table order")
+        _compare("v for table [5, 1, 6], length 10", got[1], expected_v, hint="read v from cache.v, like k")
+    return _run("gather_reference", body)
+
+
+def batch_layout(fn) -> bool:
+    """batch_layout(manager, seq_ids, T) -> BatchLayout with right-aligned rows."""
+    from minillm.paged_cache import BlockManager
+
+    def body():
+        manager = BlockManager(16, 4, enable_prefix_caching=False)
+        manager.allocate("a", list(range(10, 19)))  # 9 tokens
+        manager.allocate("b", list(range(30, 35)))  # 5 tokens
+        lengths = {"a": 9, "b": 5}
+        S, T = 9, 1
+        got = fn(manager, ["a", "b"], T)
+        rows = {s: [manager.slot(s, p) for p in range(L)] for s, L in lengths.items()}
+        expected_gather = torch.tensor([[0] * (S - L) + rows[s] for s, L in lengths.items()])
+        expected_mask = torch.tensor([[0] * (S - L) + [1] * L for L in lengths.values()])
+        left_aligned = torch.tensor([rows[s] + [0] * (S - L) for s, L in lengths.items()])
+        right_hint = "right-align each row: padding goes on the LEFT, so every row's newest tokens share the last columns"
+        _compare("gather", got.gather, expected_gather, mistakes=[(right_hint, left_aligned)],
+                 hint="gather[b] lists the pool slot of each key position 0..L_b-1, after S - L_b padding columns")
+        _compare("attention_mask", got.attention_mask, expected_mask, hint="1 for a real key, 0 for padding")
+        _compare("slots", got.slots, torch.tensor([[rows["a"][-1]], [rows["b"][-1]]]),
+                 hint="slots are where the T new tokens go: the slots of positions L_b - T .. L_b - 1")
+        _compare("positions", got.positions, torch.tensor([[8], [4]]),
+                 mistakes=[("positions count from each sequence's own start: L_b - T .. L_b - 1, not the padded column",
+                            torch.tensor([[8], [8]]))])
+        if got.start_pos != S - T:
+            _fail(f"start_pos: expected {S - T}, got {got.start_pos}",
+                  "start_pos is the number of key columns before the new tokens: S - T")
+    return _run("batch_layout", body)
+
+
 # ------------------------------------------------------------------ 09 sampling
 
 _NEG = float("-inf")
@@ -662,7 +726,7 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "rotate_half": rotate_half, "rope_cos_sin": rope_cos_sin, "apply_rope": apply_rope,
     "rms_norm": rms_norm, "MLP.forward": mlp_forward,
     "Attention.forward": attention_forward, "DecoderLayer.forward": decoder_layer_forward,
-    "KVCache.update": kv_cache_update,
+    "KVCache.update": kv_cache_update, "gather_reference": gather_reference, "batch_layout": batch_layout,
     "top_k_filter": top_k_filter, "top_p_filter": top_p_filter, "min_p_filter": min_p_filter,
 }  # fmt: skip
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm import attention, check, kv_cache, layers, model, rope, sampling, tensor
+from minillm import attention, check, kv_cache, layers, model, paged_cache, rope, sampling, tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
@@ -37,7 +37,8 @@ def test_exercise_notebooks_are_current():
 
 def test_every_concept_notebook_has_an_exercise():
     names = {p.name for p in EXERCISES}
-    for name in ["01_tensors", "02_attention", "03_rope", "04_norm_mlp", "05_model", "08_kv_cache", "09_sampling"]:
+    for name in ["01_tensors", "02_attention", "03_rope", "04_norm_mlp", "05_model", "08_kv_cache", "09_sampling",
+                 "11_paged_cache"]:
         assert f"{name}.ipynb" in names
 
 
@@ -69,10 +70,18 @@ def _calls(ns: dict) -> dict:
         "Attention.forward": lambda cls: cls(cfg)(h, c, s, mask),
         "DecoderLayer.forward": lambda cls: cls(cfg)(h, c, s, mask),
         "KVCache.update": lambda cls: cls(1, 4, 1, 2).update(0, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2)),
+        "gather_reference": lambda f: f(paged_cache.PagedKVCache(2, 4, 1, 2), [0, 1], 5),
+        "batch_layout": lambda f: f(_one_sequence_manager(), ["s"], 1),
         "top_k_filter": lambda f: f(torch.randn(1, 5), 2),
         "top_p_filter": lambda f: f(torch.randn(1, 5), 0.5),
         "min_p_filter": lambda f: f(torch.randn(1, 5), 0.1),
     }
+
+
+def _one_sequence_manager():
+    manager = paged_cache.BlockManager(4, 4)
+    manager.allocate("s", [5, 6, 7])
+    return manager
 
 
 def exec_notebook_code(path: Path) -> tuple[dict, list[str]]:
@@ -142,7 +151,8 @@ REFERENCE = {
     "scaled_dot_product_attention": attention.scaled_dot_product_attention, "rotate_half": rope.rotate_half,
     "rope_cos_sin": rope.rope_cos_sin, "apply_rope": rope.apply_rope, "rms_norm": layers.rms_norm,
     "MLP.forward": layers.MLP, "Attention.forward": model.Attention, "DecoderLayer.forward": model.DecoderLayer,
-    "KVCache.update": kv_cache.KVCache, "top_k_filter": sampling.top_k_filter,
+    "KVCache.update": kv_cache.KVCache, "gather_reference": paged_cache.gather_reference,
+    "batch_layout": paged_cache.batch_layout, "top_k_filter": sampling.top_k_filter,
     "top_p_filter": sampling.top_p_filter, "min_p_filter": sampling.min_p_filter,
 }  # fmt: skip
 
@@ -267,6 +277,20 @@ def min_p_absolute(logits, p):
     return logits.masked_fill(torch.softmax(logits, -1) < p, float("-inf"))
 
 
+def gather_whole_blocks(cache, block_table, length):
+    k = cache.k[block_table].reshape(-1, *cache.k.shape[2:]).transpose(0, 1)  # ignores length
+    v = cache.v[block_table].reshape(-1, *cache.v.shape[2:]).transpose(0, 1)
+    return k, v
+
+
+def layout_left_aligned(manager, seq_ids, T, device=None):
+    right = paged_cache.batch_layout(manager, seq_ids, T, device)
+    lengths = [manager.num_tokens(s) for s in seq_ids]
+    S = max(lengths)
+    gather = torch.tensor([[manager.slot(s, p) for p in range(L)] + [0] * (S - L) for s, L in zip(seq_ids, lengths)])
+    return paged_cache.BatchLayout(right.slots, gather, right.attention_mask, right.positions, right.start_pos)
+
+
 PLANTED = [
     ("rms_norm", rms_norm_in_input_dtype, "did you accumulate in fp32?"),
     ("rms_norm", rms_norm_without_eps, "add eps inside the square root"),
@@ -285,6 +309,8 @@ PLANTED = [
     ("DecoderLayer.forward", PostNormLayer, "pre-norm"),
     ("KVCache.update", CacheReturningBuffer, "not the whole preallocated buffer"),
     ("KVCache.update", CacheReturningCopies, "not a view"),
+    ("gather_reference", gather_whole_blocks, "the last block is only partly used"),
+    ("batch_layout", layout_left_aligned, "padding goes on the LEFT"),
     ("top_k_filter", top_k_zero_fill, "-inf, not 0"),
     ("top_p_filter", top_p_drops_crossing, "did you keep the token that crosses the threshold?"),
     ("min_p_filter", min_p_absolute, "p times the top token's probability"),
