@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.generate import StopStrings
+from minillm.generate import StopStrings, drain_text
 from minillm.model import CausalLM
 from minillm.paged_cache import BlockManager, make_paged_cache, paged_forward
 from minillm.sampling import SamplingParams, make_generator, sample
@@ -221,7 +221,7 @@ class Engine:
         n_out = len(seq.output_ids) + 1
         if token in seq.eos_token_ids:
             seq.output_ids.append(token)
-            text = seq.stop.push(seq.decoder.flush())[0] + seq.stop.flush()
+            text = drain_text(seq.decoder, seq.stop)
             self.scheduler.finish(seq, "stop")
             return Output(seq.id, token, text, True, "stop")
         text, hit = seq.stop.push(seq.decoder.push(token))
@@ -231,7 +231,7 @@ class Engine:
             return Output(seq.id, token, text, True, "stop")
         if n_out >= seq.max_new_tokens or len(seq.token_ids) + 1 >= self.scheduler.max_model_len:
             seq.output_ids.append(token)
-            text += seq.stop.push(seq.decoder.flush())[0] + seq.stop.flush()
+            text += drain_text(seq.decoder, seq.stop)
             self.scheduler.finish(seq, "length")
             return Output(seq.id, token, text, True, "length")
         seq.pending = token  # computed by the next decode step

@@ -104,7 +104,7 @@ class StopStrings:
         return out
 
 
-def _drain(decoder: StreamDecoder, stops: StopStrings) -> str:
+def drain_text(decoder: StreamDecoder, stops: StopStrings) -> str:
     """At the end: whatever the decoder and the stop-string holder still hold."""
     text, hit = stops.push(decoder.flush())
     return text if hit else text + stops.flush()
@@ -158,13 +158,13 @@ def stream(
         seen.append(token)
         generated.append(token)
         if token in eos:  # the end-of-turn token itself is not text
-            finish, text = "stop", _drain(decoder, stops)
+            finish, text = "stop", drain_text(decoder, stops)
         else:
             text, hit = stops.push(decoder.push(token))
             if hit:
                 finish = "stop"
             elif len(generated) == max_new_tokens or len(seen) == context:
-                finish, text = "length", text + _drain(decoder, stops)
+                finish, text = "length", text + drain_text(decoder, stops)
         top = pick.top_logprobs[0] if pick.top_logprobs else None
         step = Step(text, token, float(pick.logprobs[0]), top, finish)
         if finish is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import uuid
@@ -344,3 +345,31 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **app_kwargs) -> 
     import uvicorn
 
     uvicorn.run(create_app(llm, **app_kwargs), host=host, port=port, log_level="info")
+
+
+class BackgroundServer:
+    """The app served by uvicorn in a daemon thread of this process (for notebooks, tests, load tests).
+
+    port 0 asks the operating system for a free port; `url` is the address the server got.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server at {self.url} did not start within {timeout} s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

@@ -343,7 +343,8 @@ HUB_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "toke
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """The sha256 hex digest of a file, read in 16 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
@@ -360,7 +361,7 @@ def verify_sha256(folder: str | Path) -> None:
         blob = file.resolve()  # snapshots/<commit>/x.safetensors -> blobs/<sha256>
         if not re.fullmatch(r"[0-9a-f]{64}", blob.name):
             continue  # not a hub cache blob (e.g. a copied folder): nothing to compare with
-        digest = _sha256(blob)
+        digest = sha256_file(blob)
         if digest != blob.name:
             blob.unlink()
             file.unlink()

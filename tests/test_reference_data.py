@@ -8,7 +8,6 @@ the embedded GGUF).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -17,6 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from minillm.weights import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -31,14 +32,6 @@ HF_CONFIG_FIELDS = [
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def pinned_transformers() -> str:
@@ -132,7 +125,7 @@ def test_manifest_lists_exactly_the_files_with_sizes_and_hashes():
     for rel, entry in manifest["files"].items():
         path = DATA / rel
         assert path.stat().st_size == entry["bytes"], rel
-        assert sha256(path) == entry["sha256"], rel
+        assert sha256_file(path) == entry["sha256"], rel
     total = sum(entry["bytes"] for entry in manifest["files"].values())
     assert total < 10_000_000, f"data/ is {total / 1e6:.1f} MB"
 
@@ -282,7 +275,7 @@ def gguf_vocab_size(path: Path) -> int:
 
 def test_smollm2_source_is_the_embedded_gguf(gguf_path, smollm2_meta):
     assert smollm2_meta["source"]["file"] == gguf_path.name
-    assert smollm2_meta["source"]["sha256"] == sha256(gguf_path)
+    assert smollm2_meta["source"]["sha256"] == sha256_file(gguf_path)
     assert smollm2_meta["versions"]["transformers"] == pinned_transformers()
 
 

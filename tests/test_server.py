@@ -3,7 +3,6 @@ offline generation (streamed or not, one or 16 at once), seeds reproduce, bad in
 error JSON with the right status, and a client that hangs up mid-stream frees its blocks."""
 
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -11,10 +10,9 @@ import urllib.request
 
 import openai
 import pytest
-import uvicorn
 
 from minillm.generate import generate, load
-from minillm.server import create_app
+from minillm.server import BackgroundServer, create_app
 
 MODEL = "smollm2"
 QUESTIONS = ["What is the capital of France?", "Name a fruit.", "What is 2 + 2?", "Say hello.", "Name a colour.",
@@ -33,18 +31,10 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = create_app(llm, model_name=MODEL, num_blocks=128, max_in_flight=20)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield app, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    background = BackgroundServer(app)
+    yield app, background.url
+    background.stop()
 
 
 @pytest.fixture(scope="module")
@@ -195,17 +185,9 @@ def test_client_errors_through_openai_client(client):
 
 
 def test_past_the_concurrency_limit_gets_429(llm):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(llm, model_name=MODEL, num_blocks=64, max_in_flight=1)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
+    background = BackgroundServer(create_app(llm, model_name=MODEL, num_blocks=64, max_in_flight=1))
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        c = openai.OpenAI(base_url=f"{background.url}/v1", api_key="unused", max_retries=0)
         held = c.chat.completions.create(model=MODEL, messages=messages("hi"), max_tokens=200, temperature=0,
                                          stream=True)
         next(iter(held))  # the first request is in flight
@@ -213,8 +195,7 @@ def test_past_the_concurrency_limit_gets_429(llm):
             c.chat.completions.create(model=MODEL, messages=messages("hi"), max_tokens=2)
         held.close()
     finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
+        background.stop()
 
 
 def test_disconnect_mid_stream_frees_blocks(server, client):

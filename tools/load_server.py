@@ -13,10 +13,8 @@ count and time (each request has a timeout); only 127.0.0.1 is ever contacted.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -25,25 +23,12 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.", "Tell me a 
              "What is 12 times 7?", "Write one sentence about the sea.", "Say hello in Spanish."]
 
 
-def start_server(max_in_flight: int) -> tuple[str, object]:
+def start_server(max_in_flight: int):
     """The embedded model behind minillm's server on a free 127.0.0.1 port, in a background thread."""
-    import uvicorn
-
     from minillm.generate import load
-    from minillm.server import create_app
+    from minillm.server import BackgroundServer, create_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(load(device="cpu"), num_blocks=1024, max_in_flight=max_in_flight)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("server did not start within 60 s")
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}/v1", server
+    return BackgroundServer(create_app(load(device="cpu"), num_blocks=1024, max_in_flight=max_in_flight))
 
 
 def one_request(client, model: str, k: int, max_tokens: int) -> dict:
@@ -76,10 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from openai import OpenAI
 
-    server = None
-    url = args.url
-    if url is None:
-        url, server = start_server(max_in_flight=args.requests)
+    server = None if args.url else start_server(max_in_flight=args.requests)
+    url = args.url or server.url + "/v1"
     if urlparse(url).hostname not in ("127.0.0.1", "localhost", "::1"):
         raise SystemExit("load_server: only loopback addresses are allowed")
     client = OpenAI(base_url=url, api_key="none", timeout=args.timeout, max_retries=0)
@@ -88,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         results = list(pool.map(lambda k: one_request(client, args.model, k, args.max_tokens), range(args.requests)))
     wall = time.perf_counter() - t0
     if server is not None:
-        server.should_exit = True
+        server.stop()
     ok = [r for r in results if r["ok"]]
     print(f"{args.requests} concurrent streaming requests, max_tokens {args.max_tokens}: "
           f"{len(ok)} completed, {len(results) - len(ok)} errors, {wall:.1f} s wall")

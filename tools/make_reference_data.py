@@ -23,7 +23,6 @@ Greedy continuations are a full recompute per token (no KV cache) and ignore eos
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import shutil
@@ -33,6 +32,8 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import save_file
+
+from minillm.weights import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -126,14 +127,6 @@ SMOLLM2_CHATS = [
         {"role": "user", "content": "And what is that divided by 4? Explain how you got it."},
     ],
 ]
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def versions() -> dict:
@@ -279,7 +272,7 @@ def build_smollm2() -> None:
     save_file(tensors, folder / "reference.safetensors")
     meta = {
         "model": "SmolLM2-135M-Instruct",
-        "source": {"package": PIP_NAME, "file": gguf.name, "sha256": sha256(gguf)},
+        "source": {"package": PIP_NAME, "file": gguf.name, "sha256": sha256_file(gguf)},
         "versions": versions(),
         "attn_implementation": "eager",
         "dtype": "float32 (GGUF tensors dequantized by transformers)",
@@ -296,7 +289,7 @@ def write_manifest() -> None:
     for path in sorted(DATA.rglob("*")):
         rel = path.relative_to(DATA).as_posix()
         if path.is_file() and rel not in ("manifest.json", "README.md"):
-            files[rel] = {"bytes": path.stat().st_size, "sha256": sha256(path)}
+            files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {"versions": versions(), "files": files}
     (DATA / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     total = sum(f["bytes"] for f in files.values())
