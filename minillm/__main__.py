@@ -4,6 +4,8 @@
     python -m minillm chat                       # interactive, streaming; /reset, /exit
     python -m minillm info                       # what is inside a GGUF file
     python -m minillm serve --port 8000          # an OpenAI-compatible server on 127.0.0.1
+    python -m minillm generate "Hi" --quantize int4 --group-size 32   # int4 weights (notebook 13)
+    python -m minillm generate "Hi" --fast --quantize int4            # the fast path (notebook 15)
 
 The default model is the embedded SmolLM2-135M-Instruct GGUF (offline); --model takes a hub
 id, a model folder or a .gguf file.
@@ -83,7 +85,20 @@ def _params(args):
 def _load(args):
     from minillm.generate import load
 
-    return load(args.model, dtype=args.dtype, device=args.device)
+    if args.group_size is not None and args.quantize != "int4":
+        raise ValueError(f"--group-size applies to --quantize int4, got --quantize {args.quantize}")
+    return load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
+                group_size=32 if args.group_size is None else args.group_size, fast=args.fast, compile=args.compile)
+
+
+def _add_weight_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=["int8", "int4", "gguf"],
+                   help="weight-only quantization: int8 (per channel), int4 (per group), or gguf "
+                        "(keep a .gguf file's Q4_0/Q4_1 blocks; cpu); default: none")
+    p.add_argument("--group-size", type=int, help="inputs per int4 scale: 32, 64, 128 or 256 (default: 32)")
+    p.add_argument("--fast", action="store_true", help="the fast path: fused projections, SDPA (notebook 15)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the fast path (needs --fast; "
+                                                          "a minute or more of compiling first)")
 
 
 def _messages(args, text: str) -> list[dict]:
@@ -180,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model id clients send (default: from --model)")
     serve.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks of 16 tokens (default: 256)")
     serve.add_argument("--max-in-flight", type=int, default=128, help="requests at once; more get 429 (default: 128)")
+    _add_weight_flags(serve)
     for name, help_text in (("generate", "answer one prompt, streaming"), ("chat", "interactive chat, streaming")):
         p = sub.add_parser(name, help=help_text)
         if name == "generate":
@@ -188,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", help="hub id, model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
         p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
+        _add_weight_flags(p)
         p.add_argument("--system", help="a system prompt")
         p.add_argument("--max-new-tokens", type=int, default=256)
         p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")

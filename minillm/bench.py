@@ -1,26 +1,304 @@
 """`python -m minillm.bench`: minillm against transformers, same model, same machine, same run.
 
 Plain plumbing (not exported from a notebook). Speed is a ratio measured side by side in one
-process, never a timed test: absolute numbers on a shared machine mean little.
+process, never a timed test: absolute numbers on a shared machine mean little. Both sides get the
+same prompts (the committed public-domain text, or seeded random ids when the vocab is too small),
+greedy decoding, end-of-sequence disabled, and the same thread count.
 
-    python -m minillm.bench engine                # continuous batching vs transformers' padded batch
-    python -m minillm.bench engine --quick        # a tiny fixture, seconds
-    python -m minillm.bench engine --requests 16 64 --json
+    python -m minillm.bench                       # everything (= `all`), embedded SmolLM2 at fp32
+    python -m minillm.bench all --quick           # the tiny fixture, seconds
+    python -m minillm.bench decode --variants readable fast fast-int4 --tokens 128
+    python -m minillm.bench prefill --prompt-lengths 128 1024
+    python -m minillm.bench ceiling               # matrix-vector ceilings only
+    python -m minillm.bench engine --requests 16 64
+    python -m minillm.bench --model Qwen/Qwen2.5-0.5B-Instruct --threads 2 --json --out bench.json
+
+Variants (minillm side): readable (CausalLM), fast (FastCausalLM), readable-int8/-int4
+(quant.quantize_model on a copy), fast-int8/-int4 (FastCausalLM(quantize=...)), and with
+--compile fast-compiled / fast-int4-compiled. A variant that cannot be built (say minillm.quant
+is missing) is listed under "skipped" with the reason, never dropped silently.
+
+How things are measured:
+- load: seconds to load the weights, the best of two loads (the first pays one-off imports):
+  minillm from_gguf/load_model, transformers from_pretrained; each variant's build time from the
+  loaded model (minillm only).
+- prefill: time to first token = the best of --repeats runs of each side's public generate with
+  exactly 1 new token; prefill tok/s = prompt tokens / that time.
+- decode (batch 1): (tokens - 1) / (t(tokens) - t(1 token)) on the same prompt, for both sides,
+  so both include their own loop overhead; greedy agreement = leading tokens equal to transformers'.
+- memory: weight bytes (parameters, buffers and tensor attributes, shared storage counted once),
+  transformers' get_memory_footprint(), and the process peak RSS at the end.
+- ceiling: the time of F.linear with x (1, K) over every weight shape of the model (q, k, v, o,
+  gate, up, down of each layer, distinct tensors, and the lm head) in the model dtype, and through
+  quant.Int4Linear (group --group-size) / Int8Linear; as tokens/s. Each decode variant's tok/s is
+  given as a fraction of its ceiling (dtype variants: the dtype's, int8: int8's, int4: int4's).
+- engine: the continuous-batching engine (readable and fast) against transformers' left-padded
+  batch generate, useful generated tokens/s at each --requests count.
+
+JSON schema (--json prints it, --out FILE writes it too):
+    {"machine": {"cpu", "cores", "platform"}, "model", "dtype", "threads", "torch", "transformers",
+     "args": {...the flags...}, "skipped": {variant: reason},
+     "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
+     "peak_rss_mib",
+     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine" (rows in this order),
+               "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
+               "metric": "load time", "build time", "time to first token", "prefill",
+                         "decode", "greedy agreement", "weight memory", "transformers footprint",
+                         "peak RSS", "matvec", "engine",
+               "n": prompt tokens (prefill), tokens (decode, agreement), requests (engine), else null,
+               "unit": "s" | "ms" | "tok/s" | "tokens" | "MiB",
+               "minillm", "transformers": numbers or null,
+               "ratio": minillm/transformers for tok/s and tokens, transformers/minillm for
+                        s, ms and MiB -- so ratio > 1 always means minillm is better; null if a side is missing,
+               "ceiling_fraction": decode tok/s / the variant's ceiling tok/s (decode rows), else null}]}
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
+import platform
 import random
+import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 DATA = Path(__file__).resolve().parent.parent / "data"
+VARIANTS = ("readable", "fast", "readable-int8", "readable-int4", "fast-int8", "fast-int4")
+COMPILED = ("fast-compiled", "fast-int4-compiled")
+SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine")
+LOWER_IS_BETTER = {"s", "ms", "MiB"}
 
+
+# ---------------------------------------------------------------- the two sides and the variants
+
+@dataclass
+class Sides:
+    name: str  # the model, in words
+    model: nn.Module  # minillm's readable CausalLM
+    tokenizer: object
+    hf: nn.Module | None  # transformers' model, None when only minillm is needed
+    load_s: tuple[float, float | None]  # (minillm, transformers) seconds
+    source: Path  # what was loaded: a .gguf file, a folder, or a hub id
+
+
+def load_sides(args) -> Sides:
+    """Load minillm's model (timed) and its tokenizer; load_transformers adds the other side."""
+    from minillm.embedded import embedded_gguf_path
+    from minillm.model import from_folder
+    from minillm.tokenizer import Tokenizer
+    from minillm.weights import download, load_model
+
+    gguf, dtype = embedded_gguf_path(), getattr(torch, args.dtype)
+    if args.quick:
+        source, name = DATA / "tiny-llama", "tiny-llama (fixture)"
+        load = lambda: from_folder(source, dtype=dtype)  # noqa: E731
+    else:
+        source = Path(args.model) if args.model else gguf
+        name = source.name if args.model is None or Path(args.model).exists() else args.model
+        load = lambda: load_model(args.model or gguf, dtype=dtype, device="cpu")  # noqa: E731
+    ours = []
+    for _ in range(2):  # the best of two loads: the first pays one-off imports and cold file reads
+        model = None
+        gc.collect()
+        t0 = time.perf_counter()
+        model = load().eval()
+        ours.append(time.perf_counter() - t0)
+    if source.suffix == ".gguf":
+        tokenizer = Tokenizer.from_gguf(source)
+    else:
+        try:
+            tokenizer = Tokenizer.from_folder(source if source.exists() else download(str(args.model)))
+        except Exception:  # a fixture without tokenizer files: ids are all that matters here
+            tokenizer = Tokenizer.from_gguf(gguf)
+    return Sides(name, model, tokenizer, None, (min(ours), None), source)
+
+
+def load_transformers(sides: Sides, args) -> None:
+    """transformers' model on the same weights and dtype, its load timed (the best of two)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    source, dtype = sides.source, getattr(torch, args.dtype)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    theirs = []
+    for _ in range(2):
+        hf = None
+        gc.collect()
+        t0 = time.perf_counter()
+        if source.suffix == ".gguf":
+            hf = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(source if source.exists() else args.model, dtype=dtype)
+        hf = hf.eval()
+        theirs.append(time.perf_counter() - t0)
+    sides.hf, sides.load_s = hf, (sides.load_s[0], min(theirs))
+
+
+def quant_missing() -> str | None:
+    """None when minillm.quant imports, else the reason the int variants are skipped."""
+    try:
+        import minillm.quant  # noqa: F401
+    except ImportError as e:
+        return f"skipped: minillm.quant not available ({e})"
+    return None
+
+
+def build_variant(model: nn.Module, variant: str, group_size: int) -> nn.Module:
+    """The minillm model a variant name stands for, built from the loaded readable model."""
+    if variant == "readable":
+        return model
+    quantize = "int8" if "int8" in variant else "int4" if "int4" in variant else None
+    if variant.startswith("readable-"):
+        from minillm.quant import quantize_model
+
+        copied = copy.deepcopy(model)
+        out = quantize_model(copied, quantize, group_size)
+        return (copied if out is None else out).eval()
+    from minillm.fast import FastCausalLM
+
+    fast = FastCausalLM(model, quantize=quantize, group_size=group_size).eval()
+    return fast.compile() if variant.endswith("-compiled") else fast
+
+
+def ceiling_key(variant: str, dtype: torch.dtype) -> str:
+    return "int8" if "int8" in variant else "int4" if "int4" in variant else str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------- timing one side
+
+def prompt_ids(tokenizer, n: int, vocab: int) -> list[int]:
+    """n ids of the committed public-domain text (repeated as needed), or seeded ids for a tiny vocab."""
+    ids = tokenizer.encode((DATA / "text" / "declaration.txt").read_text())
+    if max(ids) >= vocab:
+        rng = random.Random(n)
+        return [rng.randrange(3, vocab) for _ in range(n)]
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def minillm_runner(model, tokenizer):
+    from minillm.generate import generate
+
+    def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
+        t0 = time.perf_counter()
+        out = generate(model, tokenizer, prompt, max_new_tokens=n, eos_token_ids=())
+        return time.perf_counter() - t0, out.token_ids
+    return run
+
+
+def transformers_runner(hf):
+    def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
+        ids = torch.tensor([prompt])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
+        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+    return run
+
+
+def measure(run, prompts: dict[int, list[int]], tokens: int | None, repeats: int) -> dict:
+    """{"ttft_s": {L: best seconds for 1 token}, "decode_tok_s", "decode_ids"} for one side.
+
+    Decode uses the shortest prompt; tokens=None skips it (prefill only)."""
+    run(prompts[min(prompts)][:4], 2)  # warm-up (and torch.compile's first compile)
+    ttft = {L: min(run(p, 1)[0] for _ in range(repeats)) for L, p in prompts.items()}
+    result = {"ttft_s": ttft, "decode_tok_s": None, "decode_ids": None}
+    if tokens:
+        runs = [run(prompts[min(prompts)], tokens) for _ in range(repeats)]
+        seconds, ids = min(runs, key=lambda r: r[0])
+        result["decode_tok_s"] = (tokens - 1) / max(seconds - ttft[min(prompts)], 1e-9)
+        result["decode_ids"] = ids
+    return result
+
+
+# ---------------------------------------------------------------- memory and ceilings
+
+def weight_mib(module: nn.Module) -> float:
+    """Parameters, buffers and tensor attributes of every submodule, each storage counted once."""
+    seen, total = set(), 0
+    for m in module.modules():
+        tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False),
+                   *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total / 2**20
+
+
+def peak_rss_mib() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def weight_shapes(config) -> list[tuple[int, int]]:
+    """(N, K) of every linear one token passes through: q, k, v, o, gate, up, down per layer, lm head."""
+    h, i, D = config.hidden_size, config.intermediate_size, config.head_dim
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    layer = [(H * D, h), (Hkv * D, h), (Hkv * D, h), (h, H * D), (i, h), (i, h), (h, i)]
+    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
+
+
+def matvec_seconds(layers, x_by_k: dict, repeats: int) -> float:
+    """Best of `repeats` passes of one (1, K) matrix-vector product through every layer."""
+    with torch.no_grad():
+        for layer in layers[:8]:
+            layer(x_by_k[layer.in_features])  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for layer in layers:
+                layer(x_by_k[layer.in_features])
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped: dict) -> dict:
+    """{key: {"seconds", "tok_s"}} for the model dtype and, where minillm.quant is there, int8 and int4."""
+    shapes = weight_shapes(config)
+    x_by_k = {k: torch.randn(1, k, dtype=dtype) for _, k in shapes}
+    gen = torch.Generator().manual_seed(0)
+
+    def linear(n, k):
+        lin = nn.Linear(k, n, bias=False, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.normal_(0, k**-0.5, generator=gen)
+        return lin
+
+    kinds = {str(dtype).removeprefix("torch."): lambda lin, i: lin}
+    reason = quant_missing()
+    if reason is None:
+        from minillm.quant import Int4Linear, Int8Linear
+
+        kinds["int8"] = lambda lin, i: Int8Linear.from_linear(lin, name=f"ceiling.{i}")
+        kinds["int4"] = lambda lin, i: Int4Linear.from_linear(lin, group_size=group_size, name=f"ceiling.{i}")
+    out = {}
+    for key, make in kinds.items():
+        try:
+            layers = [make(linear(n, k), i) for i, (n, k) in enumerate(shapes)]  # one at a time: bounded memory
+            seconds = matvec_seconds(layers, x_by_k, repeats)
+            out[key] = {"seconds": seconds, "tok_s": 1 / seconds}
+        except Exception as e:  # noqa: BLE001 -- reported, not hidden
+            skipped[f"ceiling-{key}"] = f"skipped: {type(e).__name__}: {e}"
+        layers = None
+        gc.collect()
+    if reason is not None:
+        skipped["ceiling-int8"] = skipped["ceiling-int4"] = reason
+    return out
+
+
+# ---------------------------------------------------------------- the engine (continuous batching)
 
 def mixed_requests(n: int, vocab: int, seed: int = 0, prompt_range=(8, 96), new_range=(8, 64)):
     """n (prompt ids, max_new_tokens) pairs of mixed lengths, reproducible."""
@@ -44,14 +322,16 @@ def transformers_padded_batch(hf_model, requests, pad_id: int) -> float:
     t0 = time.perf_counter()
     with torch.no_grad():
         hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                          do_sample=False, pad_token_id=pad_id)
+                          do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
     return time.perf_counter() - t0
 
 
 def minillm_engine(model, tokenizer, requests) -> float:
     from minillm.engine import Engine
 
-    engine = Engine(model, tokenizer, num_blocks=4096, max_num_seqs=len(requests), enable_prefix_caching=False)
+    blocks = sum(-(-(len(p) + m) // 16) for p, m in requests)  # every request's KV at once, in 16-token blocks
+    engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
+                    enable_prefix_caching=False)
     t0 = time.perf_counter()
     out = engine.generate([p for p, _ in requests], max_new_tokens=[m for _, m in requests], eos_token_ids=())
     seconds = time.perf_counter() - t0
@@ -59,54 +339,219 @@ def minillm_engine(model, tokenizer, requests) -> float:
     return seconds
 
 
-def bench_engine(args) -> dict:
-    from transformers import AutoModelForCausalLM
+def engine_rows(sides: Sides, args, row) -> None:
+    from minillm.fast import FastCausalLM
 
-    from minillm.embedded import embedded_gguf_path
-    from minillm.model import from_folder
-    from minillm.tokenizer import Tokenizer
-    from minillm.weights import from_gguf
-
-    gguf = embedded_gguf_path()
-    tokenizer = Tokenizer.from_gguf(gguf)
-    if args.quick:
-        name, model = "tiny-llama", from_folder(DATA / "tiny-llama")
-        hf = AutoModelForCausalLM.from_pretrained(DATA / "tiny-llama", dtype=torch.float32)
-        prompt_range, new_range = (4, 48), (4, 32)
-    else:
-        name, model = "SmolLM2-135M-Instruct (fp32)", from_gguf(gguf)
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        prompt_range, new_range = (16, 128), (16, 64)
-    hf.eval()
-    rows = []
+    prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
+    models = {"readable": sides.model, "fast": FastCausalLM(sides.model).eval()}
     for n in args.requests:
-        requests = mixed_requests(n, model.config.vocab_size, seed=n, prompt_range=prompt_range, new_range=new_range)
+        requests = mixed_requests(n, sides.model.config.vocab_size, seed=n, prompt_range=prompt_range,
+                                  new_range=new_range)
         useful = sum(m for _, m in requests)
-        ours = minillm_engine(model, tokenizer, requests)
-        theirs = transformers_padded_batch(hf, requests, pad_id=0)
-        rows.append({"requests": n, "useful_tokens": useful, "minillm_tok_s": useful / ours,
-                     "transformers_tok_s": useful / theirs, "ratio": theirs / ours})
-    return {"benchmark": "engine", "model": name, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "rows": rows}
+        theirs = useful / transformers_padded_batch(sides.hf, requests, pad_id=0)
+        for variant, model in models.items():
+            row("engine", variant, "engine", "tok/s", useful / minillm_engine(model, sides.tokenizer, requests),
+                theirs, n=n)
+    del models
+    gc.collect()
+
+
+# ---------------------------------------------------------------- the run
+
+def run_benchmark(args) -> dict:
+    """Everything the subcommand asks for, as the JSON object described in the module docstring."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    what, rows, skipped = args.what, [], {}
+
+    def row(section, variant, metric, unit, ours, theirs=None, n=None, fraction=None):
+        ratio = None
+        if ours is not None and theirs is not None:
+            lower_is_better = unit in LOWER_IS_BETTER
+            num, den = (theirs, ours) if lower_is_better else (ours, theirs)
+            ratio = num / den if den > 0 else None
+        rows.append({"section": section, "variant": variant, "metric": metric, "n": n, "unit": unit,
+                     "minillm": ours, "transformers": theirs, "ratio": ratio, "ceiling_fraction": fraction})
+
+    sides = load_sides(args)
+    config, dtype = sides.model.config, next(sides.model.parameters()).dtype
+    context, decode_prompt = config.max_position_embeddings, min(args.prompt_lengths)
+    if max(args.prompt_lengths) >= context:
+        raise SystemExit(f"error: --prompt-lengths {max(args.prompt_lengths)} leaves no room in the model's context "
+                         f"of {context} tokens")
+    if what in ("all", "decode") and decode_prompt + args.tokens > context:
+        raise SystemExit(f"error: --prompt-lengths {decode_prompt} (the decode prompt) + --tokens {args.tokens} "
+                         f"exceed the model's context of {context} tokens")
+    if what != "ceiling":
+        load_transformers(sides, args)
+    ceiling = ceilings(config, dtype, args.group_size, args.repeats * 2, skipped) if what in ("all", "decode",
+                                                                                            "ceiling") else {}
+    for key, c in ceiling.items():
+        row("ceiling", key, "matvec", "tok/s", c["tok_s"])
+    if sides.hf is not None:
+        row("load", "readable", "load time", "s", sides.load_s[0], sides.load_s[1])
+    if what in ("all", "decode", "prefill"):
+        vocab = config.vocab_size
+        lengths = args.prompt_lengths if what != "decode" else [min(args.prompt_lengths)]
+        prompts = {L: prompt_ids(sides.tokenizer, L, vocab) for L in lengths}
+        tokens = None if what == "prefill" else args.tokens
+        theirs = measure(transformers_runner(sides.hf), prompts, tokens, args.repeats)
+        hf_mib = weight_mib(sides.hf)
+        if what == "all":
+            row("memory", "transformers", "transformers footprint", "MiB", None,
+                sides.hf.get_memory_footprint() / 2**20)
+        missing = quant_missing()
+        for variant in args.variants:
+            if missing and "int" in variant:
+                skipped[variant] = missing
+                continue
+            t0 = time.perf_counter()
+            try:
+                model = build_variant(sides.model, variant, args.group_size)
+            except Exception as e:  # noqa: BLE001 -- reported, not hidden
+                skipped[variant] = f"skipped: {type(e).__name__}: {e}"
+                continue
+            row("load", variant, "build time", "s", time.perf_counter() - t0)
+            ours = measure(minillm_runner(model, sides.tokenizer), prompts, tokens, args.repeats)
+            for L in lengths:
+                row("prefill", variant, "time to first token", "ms", ours["ttft_s"][L] * 1e3,
+                    theirs["ttft_s"][L] * 1e3, n=L)
+                row("prefill", variant, "prefill", "tok/s", L / ours["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
+            if tokens:
+                c = ceiling.get(ceiling_key(variant, dtype))
+                row("decode", variant, "decode", "tok/s", ours["decode_tok_s"], theirs["decode_tok_s"], n=tokens,
+                    fraction=ours["decode_tok_s"] / c["tok_s"] if c else None)
+                agree = next((i for i, (a, b) in enumerate(zip(ours["decode_ids"], theirs["decode_ids"])) if a != b),
+                             min(len(ours["decode_ids"]), len(theirs["decode_ids"])))
+                row("decode", variant, "greedy agreement", "tokens", agree, len(theirs["decode_ids"]), n=tokens)
+            if what == "all":
+                row("memory", variant, "weight memory", "MiB", weight_mib(model), hf_mib)
+            del model, ours
+            gc.collect()
+    if what in ("all", "engine"):
+        engine_rows(sides, args, row)
+    row("memory", "process", "peak RSS", "MiB", peak_rss_mib())
+    rows.sort(key=lambda r: SECTIONS.index(r["section"]))  # stable: each section's rows keep their order
+    return {"machine": machine(), "model": sides.name, "dtype": str(dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers_version(),
+            "args": {k: v for k, v in vars(args).items()}, "skipped": skipped, "ceilings": ceiling,
+            "peak_rss_mib": peak_rss_mib(), "rows": rows}
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# ---------------------------------------------------------------- output and the command line
+
+def fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def render_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"{result['model']}, {result['dtype']}, {result['threads']} threads, torch {result['torch']}, "
+             f"transformers {result['transformers']}, CPU {m['cpu']} ({m['cores']} cores)",
+             "ratio > 1: minillm better (minillm/transformers for tok/s, transformers/minillm for s, ms, MiB)",
+             f"{'section':<8} {'variant':<19} {'metric':<24} {'n':>5} {'unit':<6} {'minillm':>9} "
+             f"{'transformers':>12} {'ratio':>7} {'of ceiling':>10}"]
+    for r in result["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        frac = "-" if r["ceiling_fraction"] is None else f"{r['ceiling_fraction']:.0%}"
+        lines.append(f"{r['section']:<8} {r['variant']:<19} {r['metric']:<24} {r['n'] or '':>5} {r['unit']:<6} "
+                     f"{fmt(r['minillm']):>9} {fmt(r['transformers']):>12} {ratio:>7} {frac:>10}")
+    lines += [f"{variant}: {reason}" for variant, reason in result["skipped"].items()]
+    return "\n".join(lines)
+
+
+def positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {value}")
+        return value
+    return parse
+
+
+def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """The flags every subcommand takes; on a subcommand (suppress) an absent flag keeps the top level's value."""
+    d = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)  # noqa: E731
+    add = parser.add_argument
+    add("--model", default=d(None), help="a .gguf file, a model folder or a hub id (default: the embedded SmolLM2)")
+    add("--quick", action="store_true", default=d(False), help="the tiny fixture data/tiny-llama (seconds)")
+    add("--dtype", default=d("float32"), choices=["float32", "bfloat16", "float16"])
+    add("--threads", type=positive_int("--threads"), default=d(None), help="torch threads (default: torch's)")
+    add("--json", action="store_true", default=d(False), help="print JSON instead of the table")
+    add("--out", default=d(None), help="also write the JSON to this file")
+    add("--variants", nargs="+", default=d(None), type=variant_name, metavar="VARIANT",
+        help=f"minillm variants, of: {', '.join(VARIANTS + COMPILED)} (default: {' '.join(VARIANTS)})")
+    add("--compile", action="store_true", default=d(False), help="add the torch.compile'd fast variants (slow start)")
+    add("--tokens", type=positive_int("--tokens"), default=d(None), help="decode tokens (default 256; --quick: 16)")
+    add("--prompt-lengths", type=positive_int("--prompt-lengths"), nargs="+", default=d(None),
+        help="prefill prompt lengths (default 128 1024; --quick: 32 128)")
+    add("--requests", type=positive_int("--requests"), nargs="+", default=d([16, 64]),
+        help="engine: concurrent requests (default 16 64)")
+    add("--repeats", type=positive_int("--repeats"), default=d(2), help="best of this many runs (default 2)")
+    add("--group-size", type=positive_int("--group-size"), default=d(32), help="int4 group size (default 32)")
+
+
+def variant_name(text: str) -> str:
+    if text not in VARIANTS + COMPILED:
+        raise argparse.ArgumentTypeError(f"--variants: unknown variant {text!r}; "
+                                         f"choose from {', '.join(VARIANTS + COMPILED)}")
+    return text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m minillm.bench", description=__doc__.splitlines()[0])
+    add_common(parser, suppress=False)
+    sub = parser.add_subparsers(dest="what")
+    helps = {"all": "every section (the default)", "decode": "batch-1 decode and its ceiling fraction",
+             "prefill": "prefill tok/s and time to first token", "ceiling": "matrix-vector ceilings only",
+             "engine": "continuous batching vs transformers' padded batch generate"}
+    for name, text in helps.items():
+        add_common(sub.add_parser(name, help=text, description=text), suppress=True)
+    args = parser.parse_args(argv)
+    args.what = args.what or "all"
+    if args.model and args.quick:
+        parser.error("--model and --quick exclude each other")
+    if args.tokens is not None and args.tokens < 2 and args.what in ("all", "decode"):
+        parser.error("argument --tokens: must be at least 2 to time decode")
+    args.tokens = args.tokens or (16 if args.quick else 256)
+    args.prompt_lengths = args.prompt_lengths or ([32, 128] if args.quick else [128, 1024])
+    args.variants = list(dict.fromkeys((args.variants or list(VARIANTS)) + (list(COMPILED) if args.compile else [])))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minillm.bench", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    engine = sub.add_parser("engine", help="continuous batching vs transformers' padded batch generate")
-    engine.add_argument("--requests", type=int, nargs="+", default=[16, 64])
-    engine.add_argument("--quick", action="store_true", help="a tiny fixture instead of SmolLM2")
-    engine.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-    result = bench_engine(args)
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return 0
-    print(f"{result['model']}, {result['threads']} threads, torch {result['torch']}: useful generated tokens/s")
-    print(f"{'requests':>8} {'tokens':>7} {'minillm engine':>15} {'transformers batch':>19} {'ratio':>6}")
-    for r in result["rows"]:
-        print(f"{r['requests']:>8} {r['useful_tokens']:>7} {r['minillm_tok_s']:>15.1f} {r['transformers_tok_s']:>19.1f} "
-              f"{r['ratio']:>5.2f}x")
+    args = parse_args(argv)
+    result = run_benchmark(args)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text if args.json else render_table(result))
     return 0
 
 

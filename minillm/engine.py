@@ -22,7 +22,7 @@ import torch
 
 from minillm.generate import StopStrings, drain_text
 from minillm.model import CausalLM
-from minillm.paged_cache import BlockManager, make_paged_cache, paged_forward
+from minillm.paged_cache import BatchLayout, BlockManager, PagedView, make_paged_cache
 from minillm.sampling import SamplingParams, make_generator, sample
 from minillm.tokenizer import StreamDecoder, Tokenizer
 
@@ -130,16 +130,44 @@ class Scheduler:
         return admitted, decoding, rejected
 
 
+def ragged_layout(manager: BlockManager, seq_ids: list, new_tokens: list[int], sink_slot: int,
+                  device: str | torch.device | None = None) -> BatchLayout:
+    """Layout of a batch where row b computes its last new_tokens[b] accounted tokens (a batched prefill).
+
+    Keys: S = C + T columns, C = max cached count, T = max new count. Row b's cached keys are
+    right-aligned in the first C columns and its new tokens in the last T; the gaps are padding,
+    masked as keys, and padding queries write their keys/values to `sink_slot`.
+    """
+    lengths = [manager.num_tokens(s) for s in seq_ids]
+    if len(new_tokens) != len(seq_ids) or not all(1 <= n <= L for n, L in zip(new_tokens, lengths)):
+        raise ValueError(f"ragged_layout: need 1 <= new_tokens[b] <= length for each sequence, "
+                         f"got new_tokens {new_tokens}, lengths {lengths}")
+    cached = [L - n for L, n in zip(lengths, new_tokens)]
+    C, T = max(cached), max(new_tokens)
+    slots, gather, mask, positions = [], [], [], []
+    for s, L, c, n in zip(seq_ids, lengths, cached, new_tokens):
+        row = [manager.slot(s, p) for p in range(L)]
+        gather.append([0] * (C - c) + row[:c] + [0] * (T - n) + row[c:])
+        mask.append([0] * (C - c) + [1] * c + [0] * (T - n) + [1] * n)
+        slots.append([sink_slot] * (T - n) + row[c:])
+        positions.append([0] * (T - n) + list(range(c, L)))
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return BatchLayout(t(slots), t(gather), t(mask), t(positions), C)
+
+
 class Engine:
     """A model, a paged KV cache and a scheduler: add_request, step, abort, generate."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, num_blocks: int = 512, block_size: int = 16,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = True):
+                 max_num_seqs: int = 64, enable_prefix_caching: bool = True, max_prefill_tokens: int = 4096):
         self.model, self.tokenizer = model, tokenizer
         param = next(model.parameters())
         self.device = param.device
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.cache = make_paged_cache(model.config, num_blocks, block_size, dtype=param.dtype, device=self.device)
+        # one block more than the manager hands out: the sink where padding tokens' keys are written
+        self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
+        self.sink_slot = num_blocks * block_size
+        self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
         self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -180,16 +208,39 @@ class Engine:
                                   f"(context {self.scheduler.max_model_len}); the pool has {self.manager.num_blocks}")
             outputs.append(Output(seq.id, None, "", True, "error", seq.error))
         self._copy_blocks()
-        for seq in admitted:  # prefill, each alone: only the tokens the prefix cache does not hold
-            new = seq.token_ids[seq.num_cached:]
-            logits = paged_forward(self.model, self.cache, self.manager, [seq.id],
-                                   torch.tensor([new], device=self.device))[:, -1]  # (1, V)
-            outputs += self._sample([seq], logits)
-        if decoding:
-            ids = torch.tensor([[seq.pending] for seq in decoding], device=self.device)  # (B, 1)
-            logits = paged_forward(self.model, self.cache, self.manager, [s.id for s in decoding], ids)[:, -1]  # (B, V)
+        for group in self._prefill_groups(admitted):  # prefill together: the tokens the prefix cache lacks
+            logits = self._forward(group, [seq.token_ids[seq.num_cached:] for seq in group])  # (B, V)
+            outputs += self._sample(group, logits)
+        if decoding:  # one token each: the pending ones
+            logits = self._forward(decoding, [[seq.pending] for seq in decoding])  # (B, V)
             outputs += self._sample(decoding, logits)
         return outputs
+
+    def _prefill_groups(self, admitted: list[Sequence]) -> list[list[Sequence]]:
+        """Batches of similar length: longest first; a new batch when padding would pass a fifth of it,
+        or max_prefill_tokens padded tokens, or the context."""
+        groups, group, cached, new, real = [], [], 0, 0, 0
+        for seq in sorted(admitted, key=lambda s: len(s.token_ids) - s.num_cached, reverse=True):
+            c, n = seq.num_cached, len(seq.token_ids) - seq.num_cached
+            C, T = max(cached, c), max(new, n)
+            padded = (len(group) + 1) * (C + T)
+            if group and (padded > self.max_prefill_tokens or real + c + n < 0.8 * padded
+                          or C + T > self.scheduler.max_model_len):
+                groups.append(group)
+                group, C, T, real = [], c, n, 0
+            group.append(seq)
+            cached, new, real = C, T, real + c + n
+        return groups + [group] if group else groups
+
+    def _forward(self, seqs: list[Sequence], new_ids: list[list[int]]) -> torch.Tensor:
+        """Next-token logits (B, V): one forward computing each sequence's new tokens (left-padded to T)."""
+        layout = ragged_layout(self.manager, [s.id for s in seqs], [len(n) for n in new_ids], self.sink_slot, self.device)
+        T = layout.slots.shape[1]
+        ids = torch.tensor([[0] * (T - len(n)) + n for n in new_ids], device=self.device)  # (B, T)
+        views = [PagedView(c, layout) for c in self.cache]
+        logits = self.model(ids, positions=layout.positions, attention_mask=layout.attention_mask, cache=views,
+                            start_pos=layout.start_pos, logits_to_keep=1)  # (B, 1, V)
+        return logits[:, -1]  # every row's last new token sits in the last column
 
     def _copy_blocks(self) -> None:
         pairs = self.manager.take_copies()  # copy-on-write of shared blocks, for every layer
@@ -198,21 +249,35 @@ class Engine:
                 layer.copy_blocks(pairs)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
-        outputs = []
-        for seq, row in zip(seqs, logits):
+        """Each sequence's next token. Greedy ones with equal parameters share one call: no generator needed."""
+        for seq in seqs:
             if seq.pending is not None:  # its KV was just computed: it is now part of the output
                 seq.output_ids.append(seq.pending)
                 seq.pending = None
-            try:
-                pick = sample(row[None], seq.params, seq.generator, token_ids=[seq.token_ids],
-                              prompt_lengths=[len(seq.prompt_ids)])
-            except ValueError as exc:  # NaN logits, ...: this request fails, the others go on
-                self.scheduler.finish(seq, "error", str(exc))
-                outputs.append(Output(seq.id, None, "", True, "error", str(exc)))
-                continue
-            out = self._advance(seq, int(pick.tokens[0]))
-            out.logprob = float(pick.logprobs[0])
-            out.top_logprobs = pick.top_logprobs[0] if pick.top_logprobs else None
+        groups = {}
+        for b, seq in enumerate(seqs):
+            groups.setdefault(seq.params if seq.params.greedy else b, []).append(b)
+        outputs = []
+        for rows in groups.values():
+            outputs += self._sample_rows([seqs[b] for b in rows], logits[rows])
+        return outputs
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
+        """Sample rows that share parameters; on an error retry them one by one, so it fails only its own request."""
+        first = seqs[0]
+        try:
+            pick = sample(logits, first.params, first.generator, token_ids=[s.token_ids for s in seqs],
+                          prompt_lengths=[len(s.prompt_ids) for s in seqs])
+        except ValueError as exc:  # NaN logits, ...: this request fails, the others go on
+            if len(seqs) > 1:
+                return [out for b, seq in enumerate(seqs) for out in self._sample_rows([seq], logits[b : b + 1])]
+            self.scheduler.finish(first, "error", str(exc))
+            return [Output(first.id, None, "", True, "error", str(exc))]
+        outputs = []
+        for b, (seq, token) in enumerate(zip(seqs, pick.tokens.tolist())):
+            out = self._advance(seq, token)
+            out.logprob = float(pick.logprobs[b])
+            out.top_logprobs = pick.top_logprobs[b] if pick.top_logprobs else None
             outputs.append(out)
         return outputs
 

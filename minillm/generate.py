@@ -147,7 +147,7 @@ def stream(
 
     start = _now(device)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, T)
-    logits = model(ids, cache=cache, start_pos=0)[:, -1]  # prefill: (1, V)
+    logits = model(ids, cache=cache, start_pos=0, logits_to_keep=1)[:, -1]  # prefill: (1, V), the last position only
     prefill_done = _now(device)
     seen, generated, finish = list(prompt_ids), [], None
     first_token_at = None
@@ -268,17 +268,51 @@ class LLM:
                 yield step.text
 
 
+QUANTIZE = ("int8", "int4", "gguf")
+
+
 def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
-         device: str | torch.device | None = None) -> LLM:
-    """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct."""
+         device: str | torch.device | None = None, quantize: str | None = None, group_size: int = 32,
+         fast: bool = False, compile: bool = False) -> LLM:
+    """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct.
+
+    quantize (notebook 13): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
+    the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1 blocks quantized (CPU).
+    fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too."""
     from minillm.embedded import embedded_gguf_path
+    from minillm.quant import GROUP_SIZES, load_gguf_quantized, quantize_model
     from minillm.weights import load_model
 
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"unknown quantize {quantize!r}; choose one of: {', '.join(QUANTIZE)} (or None)")
+    if quantize == "int4" and group_size not in GROUP_SIZES:  # each layer's K is checked when quantized
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    if quantize != "int4" and group_size != 32:
+        raise ValueError(f"group_size {group_size} applies to quantize='int4' only, got quantize={quantize!r}")
+    if compile and not fast:
+        raise ValueError("compile=True compiles the fast path: pass fast=True too")
+    if fast and quantize == "gguf":
+        raise ValueError("fast=True rebuilds the layers from float weights and cannot keep GGUF blocks; "
+                         "use quantize='int4' (the same 4-bit grid as Q4_0/Q4_1 at group_size 32)")
     source = embedded_gguf_path() if model is None else model
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
-    net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
     path = Path(source)
+    if quantize == "gguf":
+        if path.suffix != ".gguf" or device not in (None, "auto", "cpu") or dtype not in (None, torch.float32):
+            raise ValueError(f"quantize='gguf' keeps a .gguf file's blocks and runs on cpu in float32; "
+                             f"got model {source}, device {device}, dtype {dtype}")
+        net = load_gguf_quantized(path)
+    else:
+        net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
+        if fast:
+            from minillm.fast import FastCausalLM
+
+            net = FastCausalLM(net, quantize=quantize, group_size=group_size)
+            if compile:
+                net.compile()
+        elif quantize is not None:
+            net = quantize_model(net, quantize, group_size)
     if path.suffix == ".gguf":
         tokenizer = Tokenizer.from_gguf(path)
     elif path.is_dir():

@@ -203,13 +203,15 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: list | None = None,
         start_pos: int = 0,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits (B, T, V) for T new tokens that follow `start_pos` cached ones.
 
         input_ids (B, T) int; positions (B, T) or (T,), default start_pos..start_pos+T-1 (or, with
         left padding, the count of real tokens before each one); attention_mask (B, start_pos + T),
         1 = token, 0 = padding, over cached and new tokens; cache: one object per layer with
-        `update(pos, k, v)` (notebook 08), or None to attend only within input_ids.
+        `update(pos, k, v)` (notebook 08), or None to attend only within input_ids; logits_to_keep = n > 0
+        computes the head for the last n positions only (a prefill needs just the last one's logits).
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
@@ -225,6 +227,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got min {int(input_ids.min())} max {int(input_ids.max())}")
         if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
             raise ValueError(f"attention_mask must be (B, start_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
+        if not 0 <= logits_to_keep <= T:
+            raise ValueError(f"logits_to_keep must be in [0, T={T}] (0 = all), got {logits_to_keep}")
         if positions is None:
             if attention_mask is None:
                 positions = torch.arange(start_pos, S, device=input_ids.device)  # (T,)
@@ -238,8 +242,11 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)
         x = self.model.norm(x)  # (B, T, h)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V, h)
-        return F.linear(x, weight)  # (B, T, V)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # (B, n, h): the head is the largest matrix; skip unneeded rows
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            return F.linear(x, self.model.embed_tokens.weight)  # (B, T, h) @ (h, V) -> (B, T, V)
+        return self.lm_head(x)  # (B, T, V); a module, so a quantized head (notebook 13) fits here too
 
 
 def attention_mask_for(T: int, S: int, start: int, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:

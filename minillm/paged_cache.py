@@ -331,8 +331,8 @@ class PagedView:
 def paged_forward(model, cache: list[PagedKVCache], manager: BlockManager, seq_ids: list,
                   input_ids: torch.Tensor) -> torch.Tensor:
     """Logits (B, T, V) for input_ids (B, T): the last T accounted tokens of each sequence."""
-    if len(cache) != len(model.model.layers):
-        raise ValueError(f"paged_forward: cache has {len(cache)} layers, the model {len(model.model.layers)}")
+    if len(cache) != model.config.num_hidden_layers:
+        raise ValueError(f"paged_forward: cache has {len(cache)} layers, the model {model.config.num_hidden_layers}")
     if input_ids.dim() != 2 or input_ids.shape[0] != len(seq_ids):
         raise ValueError(f"paged_forward: input_ids must be (B, T) with B = len(seq_ids) = {len(seq_ids)}, "
                          f"got {tuple(input_ids.shape)}")

@@ -1,0 +1,189 @@
+# Generated from notebooks/15_performance.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""The fast decode path: the same model and forward contract as CausalLM, less per-token overhead.
+
+Built in notebooks/15_performance.ipynb ("Where the time goes"). `FastCausalLM(model)` takes a
+loaded CausalLM and rebuilds its layers for speed, keeping `forward(input_ids, positions,
+attention_mask, cache, start_pos)`, so generate, the engine and the server run it unchanged:
+
+- q/k/v and gate/up projections fused into one matrix each (one weight read, one kernel call);
+- RoPE's cos/sin computed once for every position, then indexed; RoPE applied to q and k at once;
+- grouped-query attention through torch's SDPA (no repeat_kv copy), no mask at decode;
+- torch's fused RMSNorm; optional int8 / int4 weights (minillm.quant) and torch.compile.
+
+Shape legend: B batch, T tokens, S keys, H heads, Hkv kv heads, D head dim, V vocab.
+
+References: gpt-fast (fused qkv, int4 weight-only decode); PyTorch's SDPA documentation
+(enable_gqa); the roofline model (Williams, Waterman and Patterson, CACM 2009).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from minillm.attention import attention_mask as build_attention_mask
+from minillm.model import CausalLM, ModelConfig
+from minillm.rope import rope_inv_freq
+
+QUANTIZE_CHOICES = (None, "int8", "int4")
+
+
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One nn.Linear computing several that read the same input: weights stacked along the output dim."""
+    first = linears[0]
+    if any(lin.in_features != first.in_features or (lin.bias is None) != (first.bias is None) for lin in linears):
+        raise ValueError("fuse_linears: the layers must share in_features and all have (or lack) a bias")
+    fused = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=first.bias is not None,
+                      dtype=first.weight.dtype, device=first.weight.device)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))  # (N1 + N2 + ..., K)
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    return fused
+
+
+def quantize_linear(linear: nn.Linear, quantize: str | None, group_size: int, name: str,
+                    kernel: str = "auto") -> nn.Module:
+    """The layer itself (quantize=None) or its int8 / int4 weight-only version from minillm.quant."""
+    if quantize is None:
+        return linear
+    from minillm.quant import Int4Linear, Int8Linear
+
+    if quantize == "int8":
+        return Int8Linear.from_linear(linear, name=name, kernel=kernel)
+    return Int4Linear.from_linear(linear, group_size=group_size, name=name, kernel=kernel)
+
+
+class FastLayer(nn.Module):
+    """One decoder layer, rebuilt: fused qkv and gate_up, RoPE on q and k together, SDPA with GQA."""
+
+    def __init__(self, layer, config: ModelConfig, quantize: str | None, group_size: int, name: str,
+                 kernel: str = "auto"):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.H, self.Hkv, self.D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.intermediate_size, self.eps = config.intermediate_size, config.rms_norm_eps
+        self.input_norm = layer.input_layernorm.weight  # (h,)
+        self.post_norm = layer.post_attention_layernorm.weight  # (h,)
+        self.q_norm = None if attn.q_norm is None else attn.q_norm.weight  # (D,), Qwen3
+        self.k_norm = None if attn.k_norm is None else attn.k_norm.weight
+
+        def q(linear: nn.Linear, part: str) -> nn.Module:
+            return quantize_linear(linear, quantize, group_size, f"{name}.{part}", kernel)
+
+        self.qkv_proj = q(fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj), "qkv_proj")  # h -> (H + 2 Hkv) D
+        self.o_proj = q(attn.o_proj, "o_proj")
+        self.gate_up_proj = q(fuse_linears(mlp.gate_proj, mlp.up_proj), "gate_up_proj")  # h -> 2 I
+        self.down_proj = q(mlp.down_proj, "down_proj")
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, pos: int) -> Tensor:
+        B, T, h = x.shape
+        H, Hkv, D = self.H, self.Hkv, self.D
+        qkv = self.qkv_proj(F.rms_norm(x, (h,), self.input_norm, self.eps))  # (B, T, (H + 2 Hkv) D)
+        qkv = qkv.view(B, T, H + 2 * Hkv, D)
+        qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]  # (B, T, H + Hkv, D), (B, T, Hkv, D)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            qk = torch.cat((F.rms_norm(qk[:, :, :H], (D,), self.q_norm, self.eps),
+                            F.rms_norm(qk[:, :, H:], (D,), self.k_norm, self.eps)), dim=2)
+        rotated = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)  # rotate_half, q and k at once
+        qk = qk * cos + rotated * sin  # cos, sin (B or 1, T, 1, D) broadcast over the heads
+        q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        if cache is not None:
+            k, v = cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
+        if mask is None:  # no padding: decode sees every key, a fresh prompt is plainly causal
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+        x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, h)
+        gate, up = self.gate_up_proj(F.rms_norm(x, (h,), self.post_norm, self.eps)).split(self.intermediate_size, -1)
+        return x + self.down_proj(F.silu(gate) * up)  # (B, T, I) -> (B, T, h)
+
+
+class FastCausalLM(nn.Module):
+    """CausalLM's forward contract, rebuilt for speed from a loaded CausalLM (see the module docstring).
+
+    quantize: None (the model's own dtype), "int8" (per channel) or "int4" (group-wise, group_size);
+    kernel: "auto", "packed" or "reference" for the quantized layers (see minillm.quant).
+    Quantized, a tied embedding/head becomes one int8 table (per-row scales) for both uses.
+    The projections are copied (fused); norms (and unquantized embeddings) are shared with `model`.
+    """
+
+    def __init__(self, model: CausalLM, quantize: str | None = None, group_size: int = 32, kernel: str = "auto"):
+        super().__init__()
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"FastCausalLM: model must be a minillm CausalLM, got {type(model).__name__}")
+        if quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"FastCausalLM: quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+        self.config = config = model.config
+        self.quantize = quantize
+        self.embed_tokens = model.model.embed_tokens
+        self.layers = nn.ModuleList(FastLayer(layer, config, quantize, group_size, f"model.layers.{i}", kernel)
+                                    for i, layer in enumerate(model.model.layers))
+        self.norm = model.model.norm.weight  # (h,)
+        weight = model.model.embed_tokens.weight  # (V, h)
+        if model.lm_head is not None:
+            self.lm_head = quantize_linear(model.lm_head, quantize, group_size, "lm_head", kernel)
+        elif quantize is None:  # tied: the head reads the embedding table itself
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=weight.device,
+                                     dtype=weight.dtype)
+            self.lm_head.weight = weight  # shared, not copied
+        else:  # tied and quantized: int8 rows shared by lookup and head, as llama.cpp keeps token_embd at Q8_0
+            from minillm.quant import Int8Embedding, Int8Linear, quantize_int8
+
+            q, scales = quantize_int8(weight, "model.embed_tokens.weight")
+            self.embed_tokens = Int8Embedding(q, scales.to(weight.dtype))
+            self.lm_head = Int8Linear(q, scales, kernel=kernel)
+        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32),
+                            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))  # (P, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1).to(weight.device)  # (P, D)
+        dtype = weight.dtype
+        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)  # (P, D): one row per position
+        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
+        self._layers = self._run_layers
+
+    def compile(self, **kwargs) -> FastCausalLM:
+        """Opt in to torch.compile of the layer stack: a minute or more of compiling, then faster steps."""
+        self._layers = torch.compile(self._run_layers, dynamic=True, **kwargs)
+        return self
+
+    def _run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, start_pos: int) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)
+        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)  # (B, T, h)
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None,
+                cache: list | None = None, start_pos: int = 0, logits_to_keep: int = 0) -> Tensor:
+        """Logits (B, T, V), as CausalLM.forward; logits_to_keep=n > 0 returns only the last n positions."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        S = start_pos + T
+        if cache is None and start_pos != 0:
+            raise ValueError(f"start_pos {start_pos} needs a cache holding the first {start_pos} tokens")
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
+        if S > self.config.max_position_embeddings:
+            raise ValueError(f"{S} tokens exceed max_position_embeddings {self.config.max_position_embeddings}")
+        if input_ids.device.type == "cpu" and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must be in [0, {self.config.vocab_size})")  # CPU only: no device sync
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
+            raise ValueError(f"attention_mask must be (B, start_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
+        if not 0 <= logits_to_keep <= T:
+            raise ValueError(f"logits_to_keep must be in [0, T={T}] (0 = all), got {logits_to_keep}")
+        if positions is None and attention_mask is not None:  # left padding: count real tokens before each one
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]  # (B, T)
+        if positions is None:
+            cos, sin = self.cos[start_pos:S], self.sin[start_pos:S]  # (T, D): rows of the table
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]  # (B, T, D) or (T, D)
+        cos = cos.view(-1, T, 1, self.config.head_dim)  # (B or 1, T, 1, D): one angle for every head
+        sin = sin.view(-1, T, 1, self.config.head_dim)
+        mask = None
+        if attention_mask is not None or (T > 1 and start_pos > 0):
+            mask = build_attention_mask(T, S, start_pos, attention_mask, input_ids.device)  # (B or 1, 1, T, S)
+        x = self._layers(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos)  # (B, T, h)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # (B, n, h)
+        return self.lm_head(x)  # (B, T or n, V)

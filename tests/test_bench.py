@@ -1,0 +1,151 @@
+"""The benchmark harness (minillm/bench.py) on the tiny fixture: its JSON, its ratios, its flags.
+
+No timing asserts beyond positivity: speed is the benchmark's output, not a test."""
+
+import json
+import math
+
+import pytest
+
+from minillm import bench
+
+QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    assert bench.main(["all", *QUICK, "--threads", "1", "--json", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def rows(result, **match):
+    return [r for r in result["rows"] if all(r[k] == v for k, v in match.items())]
+
+
+def test_header_and_schema(result):
+    assert {"machine", "model", "dtype", "threads", "torch", "transformers", "ceilings", "rows", "skipped",
+            "peak_rss_mib"} <= set(result)
+    assert result["threads"] == 1 and result["dtype"] == "float32" and "tiny-llama" in result["model"]
+    assert result["machine"]["cpu"]
+    keys = {"section", "variant", "metric", "n", "unit", "minillm", "transformers", "ratio", "ceiling_fraction"}
+    assert all(set(r) == keys for r in result["rows"])
+    order = [bench.SECTIONS.index(r["section"]) for r in result["rows"]]
+    assert order == sorted(order) and set(order) == set(range(len(bench.SECTIONS)))
+
+
+def test_every_variant_is_measured_or_skipped_with_a_reason(result):
+    for variant in bench.VARIANTS:
+        measured = rows(result, variant=variant, section="decode", metric="decode")
+        if variant in result["skipped"]:
+            assert not measured and result["skipped"][variant].startswith("skipped:")
+            continue
+        assert len(measured) == 1
+        for section, metric in [("load", "build time"), ("prefill", "prefill"), ("prefill", "time to first token"),
+                                ("decode", "greedy agreement"), ("memory", "weight memory")]:
+            assert len(rows(result, variant=variant, section=section, metric=metric)) == 1, (variant, metric)
+    assert "readable" not in result["skipped"] and "fast" not in result["skipped"]
+
+
+def test_ratios_mean_minillm_better_when_above_one(result):
+    for r in result["rows"]:
+        if r["minillm"] is None or r["transformers"] is None:
+            assert r["ratio"] is None
+            continue
+        assert r["minillm"] > 0 and r["transformers"] > 0 or r["metric"] == "greedy agreement"
+        if r["metric"] == "greedy agreement":
+            assert 0 <= r["minillm"] <= r["transformers"] == 8
+            expected = r["minillm"] / r["transformers"]
+        elif r["unit"] in ("s", "ms", "MiB"):  # lower is better: transformers / minillm
+            expected = r["transformers"] / r["minillm"]
+        else:  # tok/s: minillm / transformers
+            assert r["unit"] == "tok/s"
+            expected = r["minillm"] / r["transformers"]
+        assert r["ratio"] == pytest.approx(expected), r
+
+
+def test_prefill_is_prompt_tokens_over_time_to_first_token(result):
+    for r in rows(result, metric="prefill"):
+        ttft = rows(result, variant=r["variant"], metric="time to first token", n=r["n"])[0]
+        assert r["n"] == 16
+        assert r["minillm"] == pytest.approx(16 / (ttft["minillm"] / 1e3))
+        assert r["transformers"] == pytest.approx(16 / (ttft["transformers"] / 1e3))
+
+
+def test_ceilings_and_fractions(result):
+    assert "float32" in result["ceilings"]
+    for key, c in result["ceilings"].items():
+        assert c["tok_s"] == pytest.approx(1 / c["seconds"]) and c["tok_s"] > 0
+        assert rows(result, section="ceiling", variant=key)[0]["minillm"] == c["tok_s"]
+    for r in rows(result, section="decode", metric="decode"):
+        key = bench.ceiling_key(r["variant"], "float32")
+        if key in result["ceilings"]:
+            assert 0 < r["ceiling_fraction"] < 1.5
+            assert r["ceiling_fraction"] == pytest.approx(r["minillm"] / result["ceilings"][key]["tok_s"])
+        else:
+            assert f"ceiling-{key}" in result["skipped"] and r["ceiling_fraction"] is None
+
+
+def test_memory_and_engine(result):
+    assert rows(result, metric="transformers footprint")[0]["transformers"] > 0
+    assert rows(result, metric="peak RSS")[0]["minillm"] == pytest.approx(result["peak_rss_mib"], rel=0.1)
+    weights = rows(result, variant="readable", metric="weight memory")[0]
+    assert weights["minillm"] == pytest.approx(weights["transformers"], rel=0.01)  # the same fp32 tensors
+    engine = rows(result, section="engine")
+    assert {r["variant"] for r in engine} == {"readable", "fast"} and all(r["n"] == 4 for r in engine)
+    assert all(r["minillm"] > 0 and r["transformers"] > 0 for r in engine)
+
+
+def test_table(capsys):
+    assert bench.main(["ceiling", "--quick", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny-llama") and "threads" in out and "torch" in out
+    assert "matvec" in out and "float32" in out
+
+
+def test_quant_missing_is_reported_not_dropped(monkeypatch):
+    monkeypatch.setattr(bench, "quant_missing", lambda: "skipped: minillm.quant not available (test)")
+    result = bench.run_benchmark(bench.parse_args(["decode", *QUICK, "--variants", "readable", "fast-int4"]))
+    assert result["skipped"]["fast-int4"] == "skipped: minillm.quant not available (test)"
+    assert {"ceiling-int8", "ceiling-int4"} <= set(result["skipped"])
+    assert rows(result, variant="readable", metric="decode") and not rows(result, variant="fast-int4")
+    assert "fast-int4: skipped: minillm.quant not available" in bench.render_table(result)
+
+
+def test_defaults_and_compile_flag():
+    args = bench.parse_args([])
+    assert args.what == "all" and args.tokens == 256 and args.prompt_lengths == [128, 1024]
+    assert args.variants == list(bench.VARIANTS) and args.requests == [16, 64]
+    args = bench.parse_args(["--quick", "decode", "--variants", "fast", "--compile"])  # flags before or after
+    assert args.quick and args.what == "decode" and args.variants == ["fast", *bench.COMPILED]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--variants", "fastest"], "--variants"),
+    (["decode", "--tokens", "0"], "--tokens"),
+    (["--tokens", "-3"], "--tokens"),
+    (["decode", "--tokens", "1"], "--tokens"),
+    (["prefill", "--prompt-lengths", "0"], "--prompt-lengths"),
+    (["engine", "--requests", "x"], "--requests"),
+    (["--threads", "0"], "--threads"),
+])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(argv)
+    assert exit_.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_prompt_longer_than_the_context_names_the_flags():
+    args = bench.parse_args(["decode", "--quick", "--prompt-lengths", "250", "--tokens", "16"])
+    with pytest.raises(SystemExit, match="--prompt-lengths 250 \\(the decode prompt\\) \\+ --tokens 16 exceed"):
+        bench.run_benchmark(args)
+    args = bench.parse_args(["prefill", "--quick", "--prompt-lengths", "300"])
+    with pytest.raises(SystemExit, match="--prompt-lengths 300 leaves no room"):
+        bench.run_benchmark(args)
+
+
+def test_results_are_finite(result):
+    for r in result["rows"]:
+        for k in ("minillm", "transformers", "ratio", "ceiling_fraction"):
+            assert r[k] is None or math.isfinite(r[k])
