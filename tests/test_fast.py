@@ -153,3 +153,41 @@ def test_planted_bug_fused_in_the_wrong_order_is_caught(monkeypatch):
     wrong = FastCausalLM(tiny)  # q and k swapped in the fused qkv
     with pytest.raises(AssertionError):
         torch.testing.assert_close(wrong(ref["input_ids_1"][None])[0], ref["logits_1"], atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_compiled_fast_path_equals_eager():
+    tiny = from_folder(DATA / "tiny-llama")
+    eager, compiled = FastCausalLM(tiny), FastCausalLM(tiny).compile()
+    ref = load_file(DATA / "tiny-llama" / "reference.safetensors")
+    ids = ref["input_ids_1"][None]  # (1, 9)
+    c_eager, c_compiled = make_cache(tiny.config, 1, 16), make_cache(tiny.config, 1, 16)
+    torch.testing.assert_close(compiled(ids, cache=c_compiled), eager(ids, cache=c_eager), atol=1e-4, rtol=0)
+    for pos in range(9, 12):  # decode steps: a new length each time, one graph thanks to dynamic shapes
+        token = torch.tensor([[pos + 3]])
+        torch.testing.assert_close(compiled(token, cache=c_compiled, start_pos=pos),
+                                   eager(token, cache=c_eager, start_pos=pos), atol=1e-4, rtol=0)
+
+
+def test_cli_fast_flag_and_its_errors(capsys):
+    from minillm.__main__ import main
+
+    args = ["generate", "What is the capital of France?", "--temperature", "0", "--max-new-tokens", "8"]
+    assert main(args + ["--fast"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    assert main(args + ["--fast", "--quantize", "int8"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    assert main(args + ["--compile"]) == 2
+    assert "compile=True compiles the fast path: pass fast=True too" in capsys.readouterr().err
+    assert main(args + ["--fast", "--quantize", "gguf"]) == 2
+    assert "use quantize='int4'" in capsys.readouterr().err
+
+
+def test_load_fast_quantized_returns_the_fast_model():
+    import minillm
+    from minillm.quant import Int4Linear
+
+    llm = minillm.load(fast=True, quantize="int4")
+    assert isinstance(llm.model, FastCausalLM) and isinstance(llm.model.layers[0].gate_up_proj, Int4Linear)
+    reply = llm.chat([{"role": "user", "content": "Name a color."}], max_new_tokens=4)
+    assert len(reply.token_ids) >= 1 and reply.metrics.generated_tokens == len(reply.token_ids)
