@@ -98,7 +98,7 @@ def _add_weight_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, help="inputs per int4 scale: 32, 64, 128 or 256 (default: 32)")
     p.add_argument("--fast", action="store_true", help="the fast path: fused projections, SDPA (notebook 15)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast path (needs --fast; "
-                                                          "a minute or more of compiling first)")
+                                                          "about 20 s of compiling the first time)")
 
 
 def _messages(args, text: str) -> list[dict]:

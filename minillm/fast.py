@@ -144,7 +144,7 @@ class FastCausalLM(nn.Module):
         self._layers = self._run_layers
 
     def compile(self, **kwargs) -> FastCausalLM:
-        """Opt in to torch.compile of the layer stack: a minute or more of compiling, then faster steps."""
+        """Opt in to torch.compile of the layer stack: seconds of compiling first, then faster steps."""
         self._layers = torch.compile(self._run_layers, dynamic=True, **kwargs)
         return self
 
