@@ -31,7 +31,7 @@ __all__ = [
     "causal_mask", "attention_weights", "scaled_dot_product_attention",
     "rotate_half", "rope_cos_sin", "apply_rope",
     "rms_norm", "mlp_forward", "attention_forward", "decoder_layer_forward",
-    "kv_cache_update", "top_k_filter", "top_p_filter", "min_p_filter",
+    "kv_cache_update", "top_k_filter", "top_p_filter", "min_p_filter", "quantize_int4", "dequantize_q4_1",
     "CHECKS", "check_namespace", "check_path", "main",
 ]  # fmt: skip
 
@@ -717,6 +717,71 @@ def min_p_filter(fn) -> bool:
     return _run("min_p_filter", body)
 
 
+# ------------------------------------------------------------------ 13 quantization
+
+
+def quantize_int4(fn) -> bool:
+    """quantize_int4(w, group_size, name) -> q (N, K) uint8 in 0..15, scales, zeros (N, K/g): w ≈ (q - 8) * s + z."""
+    def body():
+        w = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+        for g in (32, 64):
+            got = fn(w, g)
+            if not isinstance(got, tuple) or len(got) != 3:
+                _fail(f"expected a tuple (q, scales, zeros), got {type(got).__name__}")
+            q, scales, zeros = got
+            wg = w.view(3, 128 // g, g)  # independent min/max per group
+            lo, hi = wg.min(-1).values, wg.max(-1).values
+            s = (hi - lo) / 15
+            what = f"quantize_int4(w (3, 128), group_size={g})"
+            _compare(f"{what}: scales", scales, s, atol=1e-6, rtol=1e-5,
+                     mistakes=[("16 levels 0..15 span hi - lo in 15 steps: divide by 15, not 16", (hi - lo) / 16)],
+                     hint="one scale per group of g consecutive inputs in a row: (max - min) / 15")
+            _compare(f"{what}: zeros", zeros, lo + 8 * s, atol=1e-5, rtol=1e-5,
+                     mistakes=[("w ≈ (q - 8) * scale + zero, so zero is the value q = 8 stands for: lo + 8 * scale", lo)])
+            if not isinstance(q, torch.Tensor) or q.dtype != torch.uint8 or q.shape != w.shape:
+                _fail(f"{what}: q is {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}, "
+                      "expected uint8 (3, 128)", "return q as uint8 of w's shape (reshape the groups back)")
+            if int(q.max()) > 15:
+                _fail(f"{what}: q reaches {int(q.max())}", "clamp q to 0..15")
+            err = ((q.float().view_as(wg) - 8) * s[..., None] + (lo + 8 * s)[..., None] - wg).abs()
+            bad = err > s[..., None] / 2 + 1e-5
+            if bad.any():
+                idx = tuple(int(i) for i in bad.nonzero()[0])
+                _fail(f"{what}: q decodes {int(bad.sum())} weights to more than half a step from w; first at "
+                      f"(row, group, i) = {idx}", "q = round((w - lo) / scale): lo -> 0, hi -> 15")
+        _expect_raises("quantize_int4(w (3, 96), group_size=64)", ValueError, lambda: fn(w[:, :96], 64),
+                       "the group size must divide K: call check_group_size(K, group_size, name) first")
+    return _run("quantize_int4", body)
+
+
+def _q4_1_decode(raw: torch.Tensor, shape, pairs: str = "j, j+16", offset: float = 0.0) -> torch.Tensor:
+    """Q4_1 decoded with a given nibble order (the right one, or a mistake's)."""
+    b = raw.reshape(-1, 20)
+    d, m = b[:, 0:2].contiguous().view(torch.float16).float(), b[:, 2:4].contiguous().view(torch.float16).float()
+    lo, hi = b[:, 4:] & 0x0F, b[:, 4:] >> 4
+    q = torch.cat([lo, hi], -1) if pairs == "j, j+16" else torch.stack([lo, hi], -1).reshape(-1, 32)
+    return (d * (q.float() - offset) + m).reshape(tuple(shape))
+
+
+def dequantize_q4_1(fn) -> bool:
+    """dequantize_q4_1(raw, shape): GGUF Q4_1 blocks -> float32 weights, checked against the gguf package."""
+    def body():
+        import gguf
+        import numpy as np
+
+        x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+        packed = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_1)  # (2, 40): 2 blocks per row
+        expected = torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q4_1).copy())
+        raw = torch.from_numpy(packed.reshape(-1).copy())
+        _compare("dequantize_q4_1(4 blocks, shape (2, 64))", fn(raw, (2, 64)), expected,
+                 mistakes=[("nibble order: byte j holds q_j (low 4 bits) and q_{j+16} (high 4 bits), "
+                            "not q_{2j} and q_{2j+1}", _q4_1_decode(raw, (2, 64), "2j, 2j+1")),
+                           ("Q4_1 has no -8: w = d * q + m (the minimum m is stored)",
+                            _q4_1_decode(raw, (2, 64), offset=8.0))],
+                 hint="block = | d: fp16 | m: fp16 | 16 bytes of nibbles |; w_i = d * q_i + m")
+    return _run("dequantize_q4_1", body)
+
+
 # ------------------------------------------------------------------ the command line
 
 CHECKS: dict[str, Callable[[object], bool]] = {
@@ -728,6 +793,7 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "Attention.forward": attention_forward, "DecoderLayer.forward": decoder_layer_forward,
     "KVCache.update": kv_cache_update, "gather_reference": gather_reference, "batch_layout": batch_layout,
     "top_k_filter": top_k_filter, "top_p_filter": top_p_filter, "min_p_filter": min_p_filter,
+    "quantize_int4": quantize_int4, "dequantize_q4_1": dequantize_q4_1,
 }  # fmt: skip
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 

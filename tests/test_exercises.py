@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm import attention, check, kv_cache, layers, model, paged_cache, rope, sampling, tensor
+from minillm import attention, check, kv_cache, layers, model, paged_cache, quant, rope, sampling, tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
@@ -38,7 +38,7 @@ def test_exercise_notebooks_are_current():
 def test_every_concept_notebook_has_an_exercise():
     names = {p.name for p in EXERCISES}
     for name in ["01_tensors", "02_attention", "03_rope", "04_norm_mlp", "05_model", "08_kv_cache", "09_sampling",
-                 "11_paged_cache"]:
+                 "11_paged_cache", "13_quantization"]:
         assert f"{name}.ipynb" in names
 
 
@@ -75,6 +75,8 @@ def _calls(ns: dict) -> dict:
         "top_k_filter": lambda f: f(torch.randn(1, 5), 2),
         "top_p_filter": lambda f: f(torch.randn(1, 5), 0.5),
         "min_p_filter": lambda f: f(torch.randn(1, 5), 0.1),
+        "quantize_int4": lambda f: f(torch.randn(2, 32), 32),
+        "dequantize_q4_1": lambda f: f(torch.zeros(20, dtype=torch.uint8), (1, 32)),
     }
 
 
@@ -154,6 +156,7 @@ REFERENCE = {
     "KVCache.update": kv_cache.KVCache, "gather_reference": paged_cache.gather_reference,
     "batch_layout": paged_cache.batch_layout, "top_k_filter": sampling.top_k_filter,
     "top_p_filter": sampling.top_p_filter, "min_p_filter": sampling.min_p_filter,
+    "quantize_int4": quant.quantize_int4, "dequantize_q4_1": quant.dequantize_q4_1,
 }  # fmt: skip
 
 
@@ -291,6 +294,27 @@ def layout_left_aligned(manager, seq_ids, T, device=None):
     return paged_cache.BatchLayout(right.slots, gather, right.attention_mask, right.positions, right.start_pos)
 
 
+def int4_zeros_at_lo(w, group_size=32, name="weight"):
+    q, scales, zeros = quant.quantize_int4(w, group_size, name)
+    return q, scales, zeros - 8 * scales  # the group's minimum, not the value q = 8 stands for
+
+
+def int4_sixteen_steps(w, group_size=32, name="weight"):
+    N, K = w.shape
+    wg = w.float().reshape(N, K // group_size, group_size)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scales = (hi - lo) / 16
+    q = torch.round((wg - lo[..., None]) / scales[..., None]).clamp(0, 15)
+    return q.to(torch.uint8).reshape(N, K), scales, lo + 8 * scales
+
+
+def q4_1_adjacent_nibbles(raw, shape):
+    b = raw.reshape(-1, 20)
+    q = torch.stack([b[:, 4:] & 0x0F, b[:, 4:] >> 4], -1).reshape(-1, 32).float()  # q_2j low, q_2j+1 high
+    d, m = (b[:, i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+    return (d * q + m).reshape(tuple(shape))
+
+
 PLANTED = [
     ("rms_norm", rms_norm_in_input_dtype, "did you accumulate in fp32?"),
     ("rms_norm", rms_norm_without_eps, "add eps inside the square root"),
@@ -314,6 +338,9 @@ PLANTED = [
     ("top_k_filter", top_k_zero_fill, "-inf, not 0"),
     ("top_p_filter", top_p_drops_crossing, "did you keep the token that crosses the threshold?"),
     ("min_p_filter", min_p_absolute, "p times the top token's probability"),
+    ("quantize_int4", int4_zeros_at_lo, "lo + 8 * scale"),
+    ("quantize_int4", int4_sixteen_steps, "divide by 15, not 16"),
+    ("dequantize_q4_1", q4_1_adjacent_nibbles, "not q_{2j} and q_{2j+1}"),
 ]
 
 
