@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minillm.attention import attention_mask as build_attention_mask
-from minillm.model import CausalLM, ModelConfig
+from minillm.model import CausalLM, ModelConfig, check_forward_inputs, padded_positions
 from minillm.rope import rope_inv_freq
 
 QUANTIZE_CHOICES = (None, "int8", "int4")
@@ -130,11 +130,9 @@ class FastCausalLM(nn.Module):
                                      dtype=weight.dtype)
             self.lm_head.weight = weight  # shared, not copied
         else:  # tied and quantized: int8 rows shared by lookup and head, as llama.cpp keeps token_embd at Q8_0
-            from minillm.quant import Int8Embedding, Int8Linear, quantize_int8
+            from minillm.quant import int8_table
 
-            q, scales = quantize_int8(weight, "model.embed_tokens.weight")
-            self.embed_tokens = Int8Embedding(q, scales.to(weight.dtype))
-            self.lm_head = Int8Linear(q, scales, kernel=kernel)
+            self.embed_tokens, self.lm_head = int8_table(weight, kernel)
         freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32),
                             rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))  # (P, D/2)
         angles = torch.cat((freqs, freqs), dim=-1).to(weight.device)  # (P, D)
@@ -156,24 +154,10 @@ class FastCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache: list | None = None, start_pos: int = 0, logits_to_keep: int = 0) -> Tensor:
         """Logits (B, T, V), as CausalLM.forward; logits_to_keep=n > 0 returns only the last n positions."""
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
-        S = start_pos + T
-        if cache is None and start_pos != 0:
-            raise ValueError(f"start_pos {start_pos} needs a cache holding the first {start_pos} tokens")
-        if cache is not None and len(cache) != len(self.layers):
-            raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
-        if S > self.config.max_position_embeddings:
-            raise ValueError(f"{S} tokens exceed max_position_embeddings {self.config.max_position_embeddings}")
-        if input_ids.device.type == "cpu" and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must be in [0, {self.config.vocab_size})")  # CPU only: no device sync
-        if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
-            raise ValueError(f"attention_mask must be (B, start_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
-        if not 0 <= logits_to_keep <= T:
-            raise ValueError(f"logits_to_keep must be in [0, T={T}] (0 = all), got {logits_to_keep}")
+        B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep,
+                                       check_ids=input_ids.device.type == "cpu")  # ids checked on CPU: no device sync
         if positions is None and attention_mask is not None:  # left padding: count real tokens before each one
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]  # (B, T)
+            positions = padded_positions(attention_mask, start_pos)  # (B, T)
         if positions is None:
             cos, sin = self.cos[start_pos:S], self.sin[start_pos:S]  # (T, D): rows of the table
         else:

@@ -213,27 +213,12 @@ class CausalLM(nn.Module):
         `update(pos, k, v)` (notebook 08), or None to attend only within input_ids; logits_to_keep = n > 0
         computes the head for the last n positions only (a prefill needs just the last one's logits).
         """
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
-        S = start_pos + T  # keys: cached and new
-        if cache is None and start_pos != 0:
-            raise ValueError(f"start_pos {start_pos} needs a cache holding the first {start_pos} tokens")
-        if cache is not None and len(cache) != len(self.model.layers):
-            raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.model.layers)}")
-        if S > self.config.max_position_embeddings:
-            raise ValueError(f"{S} tokens exceed max_position_embeddings {self.config.max_position_embeddings}")
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got min {int(input_ids.min())} max {int(input_ids.max())}")
-        if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
-            raise ValueError(f"attention_mask must be (B, start_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
-        if not 0 <= logits_to_keep <= T:
-            raise ValueError(f"logits_to_keep must be in [0, T={T}] (0 = all), got {logits_to_keep}")
+        B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         if positions is None:
             if attention_mask is None:
                 positions = torch.arange(start_pos, S, device=input_ids.device)  # (T,)
             else:  # left padding: count real tokens before each position
-                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]  # (B, T)
+                positions = padded_positions(attention_mask, start_pos)  # (B, T)
         if self.inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: RoPE angles need fp32
             self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(self.inv_freq.device)
         x = self.model.embed_tokens(input_ids)  # (B, T, h)
@@ -247,6 +232,35 @@ class CausalLM(nn.Module):
         if self.lm_head is None:  # tied: the embedding matrix is the head
             return F.linear(x, self.model.embed_tokens.weight)  # (B, T, h) @ (h, V) -> (B, T, V)
         return self.lm_head(x)  # (B, T, V); a module, so a quantized head (notebook 13) fits here too
+
+
+def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                         cache: list | None, start_pos: int, logits_to_keep: int, check_ids: bool = True) -> tuple[int, int, int]:
+    """The checks of forward's arguments (shared with the fast path of notebook 15); returns (B, T, S).
+
+    check_ids=False skips the id range check, which reads the ids back (a device sync on a GPU)."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+    B, T = input_ids.shape
+    S = start_pos + T  # keys: cached and new
+    if cache is None and start_pos != 0:
+        raise ValueError(f"start_pos {start_pos} needs a cache holding the first {start_pos} tokens")
+    if cache is not None and len(cache) != config.num_hidden_layers:
+        raise ValueError(f"cache has {len(cache)} layers, the model has {config.num_hidden_layers}")
+    if S > config.max_position_embeddings:
+        raise ValueError(f"{S} tokens exceed max_position_embeddings {config.max_position_embeddings}")
+    if check_ids and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+        raise ValueError(f"input_ids must be in [0, {config.vocab_size}), got min {int(input_ids.min())} max {int(input_ids.max())}")
+    if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
+        raise ValueError(f"attention_mask must be (B, start_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
+    if not 0 <= logits_to_keep <= T:
+        raise ValueError(f"logits_to_keep must be in [0, T={T}] (0 = all), got {logits_to_keep}")
+    return B, T, S
+
+
+def padded_positions(attention_mask: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """RoPE positions (B, T) of the new tokens under left padding: the count of real tokens before each one."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]
 
 
 def attention_mask_for(T: int, S: int, start: int, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -242,12 +242,19 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return out
 
 
+def int8_table(weight: torch.Tensor, kernel: str = "auto") -> tuple[Int8Embedding, Int8Linear]:
+    """One int8 copy of an embedding table (V, h), per-row scales, as a lookup and as a tied head.
+
+    Head row v = embedding row v, so per output channel of the head = per row of the table."""
+    q, s = quantize_int8(weight, "model.embed_tokens.weight")
+    return Int8Embedding(q, s.to(weight.dtype)), Int8Linear(q, s, kernel=kernel)
+
+
 def _quantize_embedding(model: nn.Module, weight: torch.Tensor, kernel: str) -> None:
     """int8 rows for the lookup; a tied head (lm_head None) becomes an Int8Linear on that same table."""
-    q, s = quantize_int8(weight, "model.embed_tokens.weight")
-    model.model.embed_tokens = Int8Embedding(q, s.to(weight.dtype))
-    if model.lm_head is None:  # tied: head row v = embedding row v, so per channel = per row
-        model.lm_head = Int8Linear(q, s, kernel=kernel)
+    model.model.embed_tokens, head = int8_table(weight, kernel)
+    if model.lm_head is None:  # tied: the head shares the lookup's int8 rows
+        model.lm_head = head
 
 
 @torch.no_grad()
