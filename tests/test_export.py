@@ -150,3 +150,44 @@ def test_two_notebooks_exporting_one_module_is_an_error(project, capsys):
     assert export(project, "--check") == 2
     err = capsys.readouterr().err
     assert "30_rmsnorm.ipynb" in err and "31_layernorm.ipynb" in err
+
+
+def test_export_module_sends_a_cell_to_another_module(project, capsys):
+    write_notebook(project, "40_model.ipynb", [
+        code("#| default_exp model"),
+        code("#| export\nimport math\n\ndef area(r):\n    return math.pi * r * r"),
+        code("#| export geometry.shapes\ndef square(a):\n    return a * a"),
+        code("#| export\nTWO = 2"),
+        code("#| exports geometry.shapes\nCUBE = 3"),
+        code("#| export model\nTHREE = 3  # naming the default module is the same as not naming it"),
+    ])  # fmt: skip
+    assert export(project) == 0
+    model = (project / "minillm" / "model.py").read_text(encoding="utf-8")
+    shapes = (project / "minillm" / "geometry" / "shapes.py").read_text(encoding="utf-8")
+    for text in (model, shapes):
+        assert text.splitlines()[0].startswith("# Generated from notebooks/40_model.ipynb ")
+    assert "square" not in model and "TWO = 2\n\n\nTHREE = 3" in model  # in cell order
+    assert "def square(a):" in shapes and "CUBE = 3" in shapes and "area" not in shapes
+    assert export(project, "--check") == 0
+    (project / "minillm" / "geometry" / "shapes.py").write_text(shapes + "x = 1\n", encoding="utf-8")
+    assert export(project, "--check") == 1
+    assert "minillm/geometry/shapes.py" in capsys.readouterr().out
+
+
+def test_export_module_errors_name_the_notebook(project, capsys):
+    write_notebook(project, "50_a.ipynb", [code("#| export rope\ndef rope(): ...")])  # no default_exp needed
+    write_notebook(project, "51_b.ipynb", [code("#| default_exp b"), code("#| export rope\nX = 1")])
+    assert export(project) == 2
+    err = capsys.readouterr().err
+    assert "50_a.ipynb" in err and "51_b.ipynb" in err and "'rope'" in err  # one module, one notebook
+
+    (project / "notebooks" / "51_b.ipynb").unlink()
+    write_notebook(project, "52_c.ipynb", [code("#| default_exp c"), code("#| export\n#| export d\nX = 1")])
+    assert export(project) == 2
+    assert "52_c.ipynb" in capsys.readouterr().err
+
+    (project / "notebooks" / "52_c.ipynb").unlink()
+    write_notebook(project, "53_d.ipynb", [code("#| export Not-A-Module\nX = 1")])
+    assert export(project) == 2
+    err = capsys.readouterr().err
+    assert "53_d.ipynb" in err and "'Not-A-Module' is not a valid module name" in err

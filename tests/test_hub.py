@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from fake_hub import FakeHub
 from minillm.weights import WeightsError, download, load_model
+from tolerance import assert_logits_close
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 REPO_ID = "minillm-tests/tiny-qwen3"
@@ -38,7 +39,7 @@ def reference_logits_match(model):
     ref = load_file(DATA / "tiny-qwen3" / "reference.safetensors")
     with torch.no_grad():
         logits = model(ref["input_ids_2"][None])[0]
-    torch.testing.assert_close(logits, ref["logits_2"], atol=1e-4, rtol=0)
+    assert_logits_close(logits, ref["logits_2"])
 
 
 def test_download_then_load_from_cache_with_the_server_gone(repo, hf_home, monkeypatch):

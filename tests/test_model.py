@@ -13,8 +13,10 @@ from safetensors.torch import load_file
 
 import minillm.model as model_module
 from minillm.attention import causal_mask
+from minillm.layers import RMSNorm
 from minillm.model import CausalLM, ModelConfig, from_folder, load_weights
 from minillm.rope import apply_rope, rope_cos_sin
+from tolerance import assert_logits_close
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 FIXTURES = ["tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama"]
@@ -34,7 +36,7 @@ def logits_of(model, ids, **kwargs):
 def test_logits_match_transformers(fixture):
     name, model, ref = fixture
     for i in range(3):
-        torch.testing.assert_close(logits_of(model, ref[f"input_ids_{i}"]), ref[f"logits_{i}"], atol=1e-4, rtol=0)
+        assert_logits_close(logits_of(model, ref[f"input_ids_{i}"]), ref[f"logits_{i}"])
 
 
 def test_greedy_32_tokens_identical(fixture):
@@ -59,7 +61,7 @@ def test_padded_batch_equals_each_prompt_alone():
         batched = model(ids, attention_mask=mask)
     for b, p in enumerate(prompts):
         assert torch.isfinite(batched[b]).all()
-        torch.testing.assert_close(batched[b, T - len(p) :], logits_of(model, p), atol=1e-4, rtol=0)
+        assert_logits_close(batched[b, T - len(p) :], logits_of(model, p))
 
 
 # --- planted bugs: each must make the comparison with transformers fail -------------------
@@ -68,7 +70,7 @@ def test_padded_batch_equals_each_prompt_alone():
 def fails_reference(model, ref, **kwargs):
     ids = ref["input_ids_2"]  # 80 tokens: position and mask bugs need more than one token
     try:
-        torch.testing.assert_close(logits_of(model, ids, **kwargs), ref["logits_2"], atol=1e-4, rtol=0)
+        assert_logits_close(logits_of(model, ids, **kwargs), ref["logits_2"])
     except AssertionError:
         return True
     return False
@@ -121,6 +123,19 @@ def test_planted_missing_qk_norm_is_caught():
     ref = load_file(DATA / "tiny-qwen3" / "reference.safetensors")
     for layer in model.model.layers:
         layer.self_attn.q_norm = layer.self_attn.k_norm = None
+    assert fails_reference(model, ref)
+
+
+def test_planted_wrong_rms_norm_eps_is_caught():
+    """The subtlest planted bug, and the one that bounds the tolerance from above: RMSNorm's eps
+    at 1e-5 (a common default) instead of tiny-qwen3's 1e-6 moves the logits by about
+    1.5e-4 x std, five times the tolerance (tests/tolerance.py)."""
+    model = from_folder(DATA / "tiny-qwen3")
+    ref = load_file(DATA / "tiny-qwen3" / "reference.safetensors")
+    assert model.config.rms_norm_eps == 1e-6
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.eps = 1e-5
     assert fails_reference(model, ref)
 
 

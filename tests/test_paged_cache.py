@@ -23,6 +23,7 @@ from minillm.paged_cache import (
     paged_forward,
 )
 from minillm.weights import from_gguf
+from tolerance import assert_logits_close
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 FIXTURES = ["tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama"]
@@ -73,7 +74,7 @@ def test_paged_batched_decode_equals_dense_and_transformers(name):
         assert tokens[i] == ref[f"greedy_{i}"].tolist()
         want = dense_logits(model, ids, tokens[i])
         assert want.argmax(-1).tolist() == tokens[i]
-        torch.testing.assert_close(steps[i], want, atol=1e-4, rtol=0)
+        assert_logits_close(steps[i], want)
 
 
 def test_smollm2_paged_equals_dense_and_transformers():
@@ -82,7 +83,7 @@ def test_smollm2_paged_equals_dense_and_transformers():
     ids, n = ref["prompt_ids_1"], 16
     tokens, steps = paged_greedy(model, [ids], n)
     assert tokens[0] == ref["greedy_1"][:n].tolist()
-    torch.testing.assert_close(steps[0], dense_logits(model, ids, tokens[0]), atol=1e-4, rtol=0)
+    assert_logits_close(steps[0], dense_logits(model, ids, tokens[0]))
 
 
 def test_planted_slot_bug_is_caught(qwen3):
@@ -97,7 +98,7 @@ def test_planted_slot_bug_is_caught(qwen3):
                        cache=[PagedView(c, bad) for c in cache], start_pos=bad.start_pos)[0]
         want = qwen3(ids[None])[0]
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+        assert_logits_close(logits, want)
 
 
 def test_gather_reference_equals_batched_gather():
@@ -136,7 +137,7 @@ def test_prefix_cache_reuses_two_blocks(qwen3):
         assert manager.block_table("b")[:2] == manager.block_table("a")[:2]
         logits = paged_forward(qwen3, cache, manager, ["b"], torch.tensor([b[cached:]]))[0]
         scratch = qwen3(torch.tensor([b]))[0, cached:]
-    torch.testing.assert_close(logits, scratch, atol=1e-4, rtol=0)
+    assert_logits_close(logits, scratch)
 
 
 def test_fully_cached_prompt_recomputes_last_token_with_copy_on_write(qwen3):
@@ -155,7 +156,7 @@ def test_fully_cached_prompt_recomputes_last_token_with_copy_on_write(qwen3):
             c.copy_blocks(copies)
         logits = paged_forward(qwen3, cache, manager, ["b"], torch.tensor([a[31:32]]))[0, -1]
         scratch = qwen3(torch.tensor([a[:32]]))[0, -1]
-    torch.testing.assert_close(logits, scratch, atol=1e-4, rtol=0)
+    assert_logits_close(logits, scratch)
     for c, k in zip(cache, before):  # a's blocks were not touched
         for blk in manager.block_table("a"):
             torch.testing.assert_close(c.k[blk], k[blk], atol=0, rtol=0)
@@ -178,7 +179,7 @@ def test_fork_then_diverge_copies_on_write(qwen3):
             c.copy_blocks(copies)
         logits = paged_forward(qwen3, cache, manager, ["a", "b"], torch.tensor([[5], [6]]))[:, -1]
         want = torch.stack([qwen3(torch.tensor([a + [t]]))[0, -1] for t in (5, 6)])
-    torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+    assert_logits_close(logits, want)
 
 
 def test_free_returns_blocks_and_keeps_prefix_findable():

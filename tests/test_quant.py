@@ -47,6 +47,7 @@ from minillm.quant import (
     quantize_model,
     unpack_int4,
 )
+from tolerance import assert_logits_close, top2_margin
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -257,7 +258,7 @@ def test_quantize_model_matches_the_dequantized_float_model(tiny, mode):
     assert q.lm_head.qweight is q.model.embed_tokens.qweight  # still tied: one int8 table
     with torch.no_grad():
         reference = q(ids)
-        torch.testing.assert_close(reference, dequantized_copy(tiny, mode)(ids), atol=1e-4, rtol=1e-4)
+        assert_logits_close(reference, dequantized_copy(tiny, mode)(ids))
         packed = quantize_model(copy.deepcopy(tiny), mode, 32)(ids)  # bf16 activations in the kernels
         float_logits = tiny(ids)
     assert kl_divergence(reference[0], packed[0]) < 0.01
@@ -309,11 +310,14 @@ def test_gguf_kept_quantized_matches_transformers_on_the_dequantized_file():
     assert isinstance(kept.model.layers[0].self_attn.q_proj, Int4Linear)
     assert model_bytes(kept) < 110e6
     ref = load_file(DATA / "smollm2" / "reference.safetensors")  # transformers, the GGUF dequantized to fp32
-    ids = ref["prompt_ids_0"][None]  # (1, T)
     with torch.no_grad():
-        last = kept(ids)[0, -1]  # (V,)
-    assert kl_divergence(ref["last_logits_0"], last) < 0.02
-    assert int(last.argmax()) == int(ref["greedy_0"][0])
+        last = [kept(ref[f"prompt_ids_{i}"][None])[0, -1] for i in range(3)]  # 3 x (V,)
+    for i in range(3):
+        assert kl_divergence(ref[f"last_logits_{i}"], last[i]) < 0.02, i
+    # The next token, where it is decided by a wide margin: prompt 1's top two differ by more than
+    # 1 in float32 and by 1.5 in the bf16 kernels' logits (prompt 0's tie in bf16, step 0.125).
+    assert float(top2_margin(ref["last_logits_1"])) > 1.0
+    assert int(last[1].argmax()) == int(ref["greedy_1"][0])
 
 
 # ---------------------------------------------------------------- load() and the CLI
@@ -335,10 +339,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_generate_with_int4_weights():
-    result = run_cli("generate", "What is the capital of France?", "--quantize", "int4", "--group-size", "32",
+    """The CLI's int4 answer equals the in-process int4 model's, in the same run. Not a fixed
+    text: the packed int4 kernels return bf16 logits, and on this prompt the first token's top two
+    tie on some CPUs ("The capital..." on one, "L'Étoile..." on another)."""
+    question = "What is the capital of France?"
+    result = run_cli("generate", question, "--quantize", "int4", "--group-size", "32",
                      "--temperature", "0", "--max-new-tokens", "8", "--device", "cpu")
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
+    llm = load(quantize="int4", group_size=32, device="cpu")
+    assert all(layer.group_size == 32 for layer in llm.model.modules() if isinstance(layer, Int4Linear))
+    want = llm.chat([{"role": "user", "content": question}], max_new_tokens=8)
+    assert len(want.token_ids) == 8 and result.stdout == want.text + "\n"
 
 
 @pytest.mark.parametrize("args,message", [

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from minillm.weights import sha256_file
+from tolerance import SMOLLM2_REL, TINY_REL, assert_logits_close, logits_tolerance, top2_margin
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -217,7 +218,24 @@ def test_transformers_reproduces_tiny_logits(name):
     with torch.no_grad():
         for i, ids in enumerate(numbered(ref, "input_ids")):
             logits = model(ids[None]).logits[0]  # (T, V)
-            torch.testing.assert_close(logits, ref[f"logits_{i}"], atol=1e-5, rtol=0, msg=f"logits_{i}")
+            assert_logits_close(logits, ref[f"logits_{i}"], msg=f"{name} logits_{i}")
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_greedy_margins_survive_the_tolerance(name):
+    """Every stored greedy step is decided by more than twice the logits tolerance, so a machine
+    whose logits pass the tolerance also picks the stored tokens (tests/tolerance.py).
+    Measured smallest margins: 0.017 (tiny-qwen2-untied) against 2 x 1.3e-4."""
+    ref = load_file(DATA / name / "reference.safetensors")
+    model = load_hf_model(DATA / name)
+    for i, prompt in enumerate(numbered(ref, "input_ids")):
+        greedy = ref[f"greedy_{i}"]
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, greedy[:-1]])[None]).logits[0, len(prompt) - 1 :]  # (32, V)
+        assert logits.argmax(-1).tolist() == greedy.tolist(), f"{name} greedy_{i}"
+        margin, tol = top2_margin(logits), logits_tolerance(ref[f"logits_{i}"], TINY_REL)
+        assert float(margin.min()) > 2 * tol, (f"{name} greedy_{i} step {int(margin.argmin())}: top-2 margin "
+                                               f"{float(margin.min()):.1e} <= 2 x tolerance {tol:.1e}")
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -309,4 +327,17 @@ def test_transformers_reproduces_smollm2_last_logits(smollm2_ref, smollm2_model)
     ids = smollm2_ref["prompt_ids_0"]
     with torch.no_grad():
         last = smollm2_model(ids[None]).logits[0, -1]  # (V,)
-    torch.testing.assert_close(last, smollm2_ref["last_logits_0"], atol=1e-4, rtol=0)
+    assert_logits_close(last, smollm2_ref["last_logits_0"], rel=SMOLLM2_REL)
+
+
+def test_smollm2_greedy_margins_survive_the_tolerance(smollm2_ref, smollm2_model):
+    """As for the tiny fixtures: every stored SmolLM2 greedy step is decided by more than twice
+    the SMOLLM2_REL tolerance (measured smallest margin: 0.012 against 2 x 9e-4)."""
+    for i, prompt in enumerate(numbered(smollm2_ref, "prompt_ids")):
+        greedy = smollm2_ref[f"greedy_{i}"]
+        with torch.no_grad():
+            logits = smollm2_model(torch.cat([prompt, greedy[:-1]])[None]).logits[0, len(prompt) - 1 :]  # (32, V)
+        assert logits.argmax(-1).tolist() == greedy.tolist(), f"greedy_{i}"
+        margin, tol = top2_margin(logits), logits_tolerance(smollm2_ref[f"last_logits_{i}"], SMOLLM2_REL)
+        assert float(margin.min()) > 2 * tol, (f"greedy_{i} step {int(margin.argmin())}: top-2 margin "
+                                               f"{float(margin.min()):.1e} <= 2 x tolerance {tol:.1e}")

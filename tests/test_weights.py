@@ -35,6 +35,7 @@ from minillm.weights import (
     read_safetensors_header,
     unpermute_qk,
 )
+from tolerance import SMOLLM2_REL, assert_logits_close
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 FIXTURES = ["tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama"]
@@ -65,14 +66,14 @@ def test_smollm2_logits_and_32_greedy_tokens_match_transformers(smollm2):
     for i in range(3):
         ids, greedy = ref[f"prompt_ids_{i}"], ref[f"greedy_{i}"]
         logits = logits_of(model, torch.cat([ids, greedy]))  # (T + 32, V)
-        torch.testing.assert_close(logits[len(ids) - 1], ref[f"last_logits_{i}"], atol=1e-3, rtol=0)
+        assert_logits_close(logits[len(ids) - 1], ref[f"last_logits_{i}"], rel=SMOLLM2_REL)
         assert logits[len(ids) - 1 : -1].argmax(-1).tolist() == greedy.tolist(), f"prompt {i}"
 
 
 def test_smollm2_prompt_alone_and_step_by_step(smollm2):
     model, ref = smollm2
     ids = ref["prompt_ids_1"]  # the shortest prompt (32 tokens)
-    torch.testing.assert_close(logits_of(model, ids)[-1], ref["last_logits_1"], atol=1e-3, rtol=0)
+    assert_logits_close(logits_of(model, ids)[-1], ref["last_logits_1"], rel=SMOLLM2_REL)
     for _ in range(3):  # the slow way: a full recompute per token
         ids = torch.cat([ids, logits_of(model, ids)[-1].argmax()[None]])
     assert ids[-3:].tolist() == ref["greedy_1"][:3].tolist()
@@ -152,7 +153,7 @@ def test_tiny_gguf_matches_transformers(fixture, tmp_path):
     model = from_gguf(write_gguf(fixture, tmp_path / "m.gguf"))
     ref = load_file(DATA / fixture / "reference.safetensors")
     for i in range(3):
-        torch.testing.assert_close(logits_of(model, ref[f"input_ids_{i}"]), ref[f"logits_{i}"], atol=1e-4, rtol=0)
+        assert_logits_close(logits_of(model, ref[f"input_ids_{i}"]), ref[f"logits_{i}"])
 
 
 def test_planted_bug_permutation_left_in_is_caught(tmp_path, monkeypatch):
@@ -161,7 +162,7 @@ def test_planted_bug_permutation_left_in_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(weights, "unpermute_qk", lambda w, n_heads: w)
     broken = from_gguf(path)
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(logits_of(broken, ref["input_ids_2"]), ref["logits_2"], atol=1e-4, rtol=0)
+        assert_logits_close(logits_of(broken, ref["input_ids_2"]), ref["logits_2"])
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -270,7 +271,7 @@ def test_folder_matches_transformers(fixture):
     ref = load_file(DATA / fixture / "reference.safetensors")
     assert next(model.parameters()).dtype == torch.float32 and model.inv_freq.dtype == torch.float32
     for i in range(3):
-        torch.testing.assert_close(logits_of(model, ref[f"input_ids_{i}"]), ref[f"logits_{i}"], atol=1e-4, rtol=0)
+        assert_logits_close(logits_of(model, ref[f"input_ids_{i}"]), ref[f"logits_{i}"])
 
 
 def make_shards(fixture, dst, split=2):

@@ -39,7 +39,7 @@ _END = re.compile(r"^\s*### END SOLUTION\s*$")
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
 _CLASS = re.compile(r"^(\s*)class\s+(\w+)")
 _DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+(\S+)\s*$")
-_EXPORT = re.compile(r"^#\|\s*export[is]?\s*$")
+_EXPORT = re.compile(r"^#\|\s*export[is]?(?:\s+(\S+))?\s*$")  # `#| export` or `#| export MODULE`
 _DIRECTIVE = re.compile(r"^#\|")
 
 
@@ -119,14 +119,15 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
     """The exercise version of a reference notebook, or None if it has no solution markers."""
     nb = json.loads(notebook.read_text(encoding="utf-8"))
     rel = notebook.relative_to(root).as_posix()
-    module = None
+    modules = set()  # the modules this notebook exports: the exercise defines those names itself
     for cell in nb.get("cells", []):
         if cell.get("cell_type") == "code":
             for line in _source(cell).splitlines():
-                m = _DEFAULT_EXP.match(line)
-                if m:
-                    module = m.group(1)
-    own_import = re.compile(rf"^from minillm\.{re.escape(module)} import [\w, ]+$") if module else None
+                m = _DEFAULT_EXP.match(line) or _EXPORT.match(line)
+                if m and m.group(1):
+                    modules.add(m.group(1))
+    own_import = (re.compile(rf"^from minillm\.({'|'.join(map(re.escape, sorted(modules)))}) import [\w, ]+$")
+                  if modules else None)
     cells: list[dict] = []
     all_stubs: list[str] = []
     for n, cell in enumerate(nb.get("cells", [])):

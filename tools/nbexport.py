@@ -1,8 +1,10 @@
 """Export notebook cells into the minillm package (standard library only).
 
 Markup (compatible with nbdev):
-    #| default_exp attention   in a code cell: this notebook writes minillm/attention.py
+    #| default_exp attention   in a code cell: this notebook's module is minillm/attention.py
     #| export                  on a code cell: the cell's code belongs in that module
+    #| export rope             on a code cell: the cell's code belongs in minillm/rope.py, so one
+                               notebook can teach one idea and put each piece where it belongs
     ### BEGIN SOLUTION         nbgrader-style marker lines around an exercise's solution
     ### END SOLUTION           (tools/make_exercises.py); the module drops these two lines
 
@@ -22,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 _DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+(\S+)\s*$")
-_EXPORT = re.compile(r"^#\|\s*export[is]?\s*$")  # nbdev's export, exporti, exports
+_EXPORT = re.compile(r"^#\|\s*export[is]?(?:\s+(\S+))?\s*$")  # nbdev's export, exporti, exports [module]
 _DIRECTIVE = re.compile(r"^#\|")
 _SOLUTION = re.compile(r"^\s*### (BEGIN|END) SOLUTION\s*$")
 HEADER_PREFIX = "# Generated from "
@@ -37,14 +39,14 @@ def _cell_source(cell: dict) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-def module_text(notebook: Path, root: Path = ROOT) -> tuple[str, str] | None:
-    """Return (module name, module text) for a notebook, or None if it exports nothing."""
+def module_texts(notebook: Path, root: Path = ROOT) -> dict[str, str]:
+    """Return {module name: module text} for every module a notebook exports ({} if none)."""
     try:
         nb = json.loads(notebook.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ExportError(f"{notebook}: cannot read notebook JSON: {exc}") from exc
-    module = None
-    chunks: list[str] = []
+    default = None
+    exported: list[tuple[str | None, str]] = []  # (module, or None for the default one; code), in cell order
     for cell in nb.get("cells", []):
         if cell.get("cell_type") != "code":
             continue
@@ -53,27 +55,32 @@ def module_text(notebook: Path, root: Path = ROOT) -> tuple[str, str] | None:
         for line in directives:
             match = _DEFAULT_EXP.match(line)
             if match:
-                if module is not None and module != match.group(1):
+                if default is not None and default != match.group(1):
                     raise ExportError(
-                        f"{notebook}: two default_exp directives ({module!r} and {match.group(1)!r})"
+                        f"{notebook}: two default_exp directives ({default!r} and {match.group(1)!r})"
                     )
-                module = match.group(1)
-        if any(_EXPORT.match(line) for line in directives):
+                default = match.group(1)
+        targets = {match.group(1) for match in map(_EXPORT.match, directives) if match}
+        if len(targets) > 1:
+            raise ExportError(f"{notebook}: a cell exported to two modules: {sorted(map(str, targets))}")
+        if targets:
             kept = [line for line in lines if not _DIRECTIVE.match(line) and not _SOLUTION.match(line)]
             code = "\n".join(kept).strip("\n")
             if code:
-                chunks.append(code)
-    if not chunks:
-        return None
-    if module is None:
+                exported.append((targets.pop(), code))
+    if default is None and any(target is None for target, _ in exported):
         raise ExportError(
             f"{notebook}: has #| export cells but no '#| default_exp <module>' directive"
         )
-    if not re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*", module):
-        raise ExportError(f"{notebook}: default_exp {module!r} is not a valid module name")
+    chunks: dict[str, list[str]] = {}
+    for target, code in exported:
+        chunks.setdefault(default if target is None else target, []).append(code)
     rel = notebook.relative_to(root).as_posix()
     header = f"{HEADER_PREFIX}{rel} by tools/nbexport.py: edit the notebook, not this file.\n"
-    return module, header + "\n" + "\n\n\n".join(chunks) + "\n"
+    for name in chunks:
+        if not re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*", name):
+            raise ExportError(f"{notebook}: {name!r} is not a valid module name")
+    return {name: header + "\n" + "\n\n\n".join(code) + "\n" for name, code in chunks.items()}
 
 
 def module_path(module: str, root: Path = ROOT) -> Path:
@@ -84,16 +91,13 @@ def collect(root: Path = ROOT) -> dict[Path, tuple[Path, str]]:
     """Map each module path to (its notebook, its text); two notebooks writing one module is an error."""
     modules: dict[Path, tuple[Path, str]] = {}
     for notebook in sorted((root / "notebooks").glob("*.ipynb")):
-        result = module_text(notebook, root)
-        if result is None:
-            continue
-        name, text = result
-        path = module_path(name, root)
-        if path in modules:
-            raise ExportError(
-                f"{notebook}: module {name!r} is already exported by {modules[path][0]}"
-            )
-        modules[path] = (notebook, text)
+        for name, text in module_texts(notebook, root).items():
+            path = module_path(name, root)
+            if path in modules:
+                raise ExportError(
+                    f"{notebook}: module {name!r} is already exported by {modules[path][0]}"
+                )
+            modules[path] = (notebook, text)
     return modules
 
 

@@ -1,0 +1,55 @@
+"""Shared by every test: the header that ties a run to the machine it ran on, and a compile
+cache per kernel set."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import platform
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def cpu_summary() -> str:
+    """CPU model and its AVX flags, from /proc/cpuinfo where there is one."""
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    avx = sorted({f for f in flags.group(1).split() if f.startswith(("avx", "amx"))}) if flags else []
+    return f"{model.group(1).strip() if model else platform.processor() or platform.machine()}; {' '.join(avx) or 'no AVX'}"
+
+
+def pytest_configure(config) -> None:
+    """One torch.compile cache per CPU kernel set (AVX512, AVX2, ...), for this process, the CLI
+    subprocesses and the notebook kernels alike. torch 2.13 reuses kernels compiled under one
+    ATEN_CPU_CAPABILITY under another, and they then return NaN (seen: a cache filled with AVX512
+    kernels, read with ATEN_CPU_CAPABILITY=avx2)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        kernels = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{kernels}")
+
+
+def pytest_report_header(config) -> list[str]:
+    kernels = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+               if k in os.environ}
+    return [f"cpu: {cpu_summary()}",
+            f"torch {torch.__version__}: kernels {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads{', ' + str(kernels) if kernels else ''}"]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Besides --durations (single tests and notebook cells): each notebook's total time."""
+    per_notebook: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            path = getattr(report, "nodeid", "").split("::")[0]
+            if path.endswith(".ipynb"):
+                per_notebook[path] = per_notebook.get(path, 0.0) + getattr(report, "duration", 0.0)
+    if per_notebook:
+        terminalreporter.write_sep("=", f"notebooks, slowest first ({sum(per_notebook.values()):.0f} s in all)")
+        for path, seconds in sorted(per_notebook.items(), key=lambda kv: -kv[1])[:15]:
+            terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
