@@ -14,7 +14,7 @@ Shape legend: B batch (running sequences), T new tokens, V vocab.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -76,6 +76,7 @@ class Scheduler:
         self.manager, self.max_num_seqs, self.max_model_len = manager, max_num_seqs, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -96,6 +97,7 @@ class Scheduler:
             seq.output_ids.append(seq.pending)
         seq.status, seq.pending = WAITING, None
         seq.preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
@@ -169,7 +171,8 @@ class Engine:
         self.sink_slot = num_blocks * block_size
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
         self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings)
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
+        self.finish_reasons: Counter[str] = Counter()  # how requests ended: stop, length, abort, error
         self._ids = itertools.count()
 
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
@@ -194,9 +197,15 @@ class Engine:
 
     def abort(self, request_id: int) -> None:
         """Stop a request now (a client hung up) and free everything it held."""
-        seq = self.sequences.get(request_id)
-        if seq is not None and seq.status != FINISHED:
-            self.scheduler.finish(seq, "abort")
+        seq = self.sequences.get(request_id)  # None once finished: nothing left to free
+        if seq is not None:
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Free seq's blocks and forget it: its last Output carries what a caller needs."""
+        self.scheduler.finish(seq, reason, error)
+        del self.sequences[seq.id]
+        self.finish_reasons[reason] += 1
 
     @torch.no_grad()
     def step(self) -> list[Output]:
@@ -204,8 +213,8 @@ class Engine:
         outputs = []
         for seq in rejected:
             blocks = self.manager.blocks_needed(len(seq.token_ids) + 1)
-            self.scheduler.finish(seq, "error", f"request of {len(seq.token_ids)} tokens needs {blocks} KV blocks "
-                                  f"(context {self.scheduler.max_model_len}); the pool has {self.manager.num_blocks}")
+            self._finish(seq, "error", f"request of {len(seq.token_ids)} tokens needs {blocks} KV blocks "
+                         f"(context {self.scheduler.max_model_len}); the pool has {self.manager.num_blocks}")
             outputs.append(Output(seq.id, None, "", True, "error", seq.error))
         self._copy_blocks()
         for group in self._prefill_groups(admitted):  # prefill together: the tokens the prefix cache lacks
@@ -271,7 +280,7 @@ class Engine:
         except ValueError as exc:  # NaN logits, ...: this request fails, the others go on
             if len(seqs) > 1:
                 return [out for b, seq in enumerate(seqs) for out in self._sample_rows([seq], logits[b : b + 1])]
-            self.scheduler.finish(first, "error", str(exc))
+            self._finish(first, "error", str(exc))
             return [Output(first.id, None, "", True, "error", str(exc))]
         outputs = []
         for b, (seq, token) in enumerate(zip(seqs, pick.tokens.tolist())):
@@ -287,17 +296,17 @@ class Engine:
         if token in seq.eos_token_ids:
             seq.output_ids.append(token)
             text = drain_text(seq.decoder, seq.stop)
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
             return Output(seq.id, token, text, True, "stop")
         text, hit = seq.stop.push(seq.decoder.push(token))
         if hit:
             seq.output_ids.append(token)
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
             return Output(seq.id, token, text, True, "stop")
         if n_out >= seq.max_new_tokens or len(seq.token_ids) + 1 >= self.scheduler.max_model_len:
             seq.output_ids.append(token)
             text += drain_text(seq.decoder, seq.stop)
-            self.scheduler.finish(seq, "length")
+            self._finish(seq, "length")
             return Output(seq.id, token, text, True, "length")
         seq.pending = token  # computed by the next decode step
         return Output(seq.id, token, text)
@@ -309,9 +318,13 @@ class Engine:
         params = params if isinstance(params, (list, tuple)) else [params] * n
         limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
         ids = [self.add_request(p, q, m, **kwargs) for p, q, m in zip(prompts, params, limits)]
-        texts = {i: [] for i in ids}
+        results = {i: {"token_ids": [], "text": "", "finish_reason": None, "error": None} for i in ids}
         while self.has_unfinished():
-            for out in self.step():
-                texts[out.request_id].append(out.text)
-        return [{"token_ids": self.sequences[i].output_ids, "text": "".join(texts[i]),
-                 "finish_reason": self.sequences[i].finish_reason, "error": self.sequences[i].error} for i in ids]
+            for out in self.step():  # the outputs say everything: finished requests are forgotten
+                r = results[out.request_id]
+                if out.token_id is not None:
+                    r["token_ids"].append(out.token_id)
+                r["text"] += out.text
+                if out.finished:
+                    r["finish_reason"], r["error"] = out.finish_reason, out.error
+        return [results[i] for i in ids]

@@ -1,5 +1,7 @@
 """The continuous-batching engine equals one-at-a-time generation, under any preemption."""
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -44,8 +46,7 @@ def test_sixteen_concurrent_requests_equal_one_at_a_time(tiny, tok, num_blocks):
     assert [r["token_ids"] for r in out] == alone(tiny, tok, prompts, limits)
     assert all(r["finish_reason"] == "length" for r in out)
     assert engine.manager.num_free_blocks == num_blocks
-    preemptions = sum(s.preemptions for s in engine.sequences.values())
-    assert (preemptions > 0) == (num_blocks == 20)
+    assert (engine.scheduler.num_preemptions > 0) == (num_blocks == 20)
 
 
 def test_shared_prefix_with_prefix_caching_equals_one_at_a_time(tiny, tok):
@@ -70,15 +71,39 @@ def test_request_that_never_fits_gets_a_clear_reason_and_abort_frees(tiny, tok):
     huge = engine.add_request(list(range(3, 100)), max_new_tokens=4)
     small = engine.add_request([5, 6, 7], max_new_tokens=4, eos_token_ids=())
     gone = engine.add_request([8, 9], max_new_tokens=40, eos_token_ids=())
-    engine.step()
+    outputs = engine.step()
     engine.abort(gone)
+    engine.abort(gone)  # twice, or after the end: nothing left to do
     while engine.has_unfinished():
-        engine.step()
-    s = engine.sequences
-    assert s[huge].finish_reason == "error" and "needs 7 KV blocks" in s[huge].error and "pool has 4" in s[huge].error
-    assert s[small].finish_reason == "length" and len(s[small].output_ids) == 4
-    assert s[gone].finish_reason == "abort"
+        outputs += engine.step()
+    last = {out.request_id: out for out in outputs if out.finished}
+    assert last[huge].finish_reason == "error" and "needs 7 KV blocks" in last[huge].error and "pool has 4" in last[huge].error
+    assert last[small].finish_reason == "length" and sum(o.request_id == small for o in outputs) == 4
+    assert gone not in last and engine.finish_reasons == {"error": 1, "length": 1, "abort": 1}
     assert engine.manager.num_free_blocks == 4
+
+
+def test_engine_forgets_finished_requests(tiny, tok):
+    """2,000 short requests, a few at a time as a server sends them: afterwards the engine holds
+    none of them, and no Sequence (with its generator and decoder) stays alive anywhere."""
+    engine = Engine(tiny, tok, num_blocks=64, max_num_seqs=16)
+    g = torch.Generator().manual_seed(5)
+    alive, finished = [], 0
+    for start in range(0, 2000, 50):
+        for k in range(50):
+            prompt = torch.randint(3, 320, (int(torch.randint(1, 12, (), generator=g)),), generator=g).tolist()
+            params = SamplingParams(temperature=1.0, seed=start + k) if k % 2 else None
+            rid = engine.add_request(prompt, params, max_new_tokens=2, eos_token_ids=())
+            alive.append(weakref.ref(engine.sequences[rid]))
+            if k % 10 == 3:
+                engine.abort(rid)
+        while engine.has_unfinished():
+            finished += sum(out.finished for out in engine.step())
+    gc.collect()
+    assert finished == 2000 - 200 and engine.finish_reasons == {"length": 1800, "abort": 200}
+    assert engine.sequences == {} and not engine.scheduler.waiting and not engine.scheduler.running
+    assert engine.manager.num_free_blocks == 64
+    assert sum(ref() is not None for ref in alive) == 0
 
 
 def test_eos_and_stop_strings_finish_requests(tok):
