@@ -18,13 +18,17 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import gguf
+
+from minillm.api import load
 from minillm.embedded import embedded_gguf_path
+from minillm.generate import stream
+from minillm.sampling import SamplingParams
+from minillm.server import serve
 
 
 def gguf_summary(path: Path) -> dict:
     """Architecture, sizes and quantization of a GGUF file, read from its header and tensor table."""
-    import gguf  # imported here so `python -m minillm --help` stays fast
-
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, OverflowError) as exc:
@@ -76,15 +80,11 @@ def cmd_info(args) -> int:
 
 
 def _params(args):
-    from minillm.sampling import SamplingParams
-
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
 def _load(args):
-    from minillm.generate import load
-
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size applies to --quantize int4, got --quantize {args.quantize}")
     return load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
@@ -107,8 +107,6 @@ def _messages(args, text: str) -> list[dict]:
 
 def _print_stream(llm, prompt_ids, args, params) -> tuple[str, object]:
     """Stream one answer to stdout; Ctrl-C stops it cleanly. Returns (text, metrics or None)."""
-    from minillm.generate import stream
-
     pieces, metrics = [], None
     try:
         for step in stream(llm.model, llm.tokenizer, prompt_ids, params=params,
@@ -168,8 +166,6 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from minillm.server import serve
-
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     llm = _load(args)

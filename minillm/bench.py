@@ -15,8 +15,8 @@ greedy decoding, end-of-sequence disabled, and the same thread count.
 
 Variants (minillm side): readable (CausalLM), fast (FastCausalLM), readable-int8/-int4
 (quant.quantize_model on a copy), fast-int8/-int4 (FastCausalLM(quantize=...)), and with
---compile fast-compiled / fast-int4-compiled. A variant that cannot be built (say minillm.quant
-is missing) is listed under "skipped" with the reason, never dropped silently.
+--compile fast-compiled / fast-int4-compiled. A variant or a ceiling that cannot be built (say a
+packed kernel this torch lacks) is listed under "skipped" with the reason, never dropped silently.
 
 How things are measured:
 - load: seconds to load the weights, the best of two loads (the first pays one-off imports):
@@ -59,6 +59,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import platform
 import random
 import resource
@@ -68,8 +69,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from minillm.embedded import embedded_gguf_path
+from minillm.engine import Engine
+from minillm.fast import FastCausalLM
+from minillm.generate import generate
+from minillm.model import from_folder
+from minillm.quant import Int4Linear, Int8Linear, quantize_model
+from minillm.tokenizer import Tokenizer
+from minillm.weights import download, load_model
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 VARIANTS = ("readable", "fast", "readable-int8", "readable-int4", "fast-int8", "fast-int4")
@@ -92,11 +101,6 @@ class Sides:
 
 def load_sides(args) -> Sides:
     """Load minillm's model (timed) and its tokenizer; load_transformers adds the other side."""
-    from minillm.embedded import embedded_gguf_path
-    from minillm.model import from_folder
-    from minillm.tokenizer import Tokenizer
-    from minillm.weights import download, load_model
-
     gguf, dtype = embedded_gguf_path(), getattr(torch, args.dtype)
     if args.quick:
         source, name = DATA / "tiny-llama", "tiny-llama (fixture)"
@@ -124,6 +128,7 @@ def load_sides(args) -> Sides:
 
 def load_transformers(sides: Sides, args) -> None:
     """transformers' model on the same weights and dtype, its load timed (the best of two)."""
+    # imported on use: transformers is the peer, installed for tests and benchmarks only (requirements-dev.txt)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -144,28 +149,15 @@ def load_transformers(sides: Sides, args) -> None:
     sides.hf, sides.load_s = hf, (sides.load_s[0], min(theirs))
 
 
-def quant_missing() -> str | None:
-    """None when minillm.quant imports, else the reason the int variants are skipped."""
-    try:
-        import minillm.quant  # noqa: F401
-    except ImportError as e:
-        return f"skipped: minillm.quant not available ({e})"
-    return None
-
-
 def build_variant(model: nn.Module, variant: str, group_size: int) -> nn.Module:
     """The minillm model a variant name stands for, built from the loaded readable model."""
     if variant == "readable":
         return model
     quantize = "int8" if "int8" in variant else "int4" if "int4" in variant else None
     if variant.startswith("readable-"):
-        from minillm.quant import quantize_model
-
         copied = copy.deepcopy(model)
         out = quantize_model(copied, quantize, group_size)
         return (copied if out is None else out).eval()
-    from minillm.fast import FastCausalLM
-
     fast = FastCausalLM(model, quantize=quantize, group_size=group_size).eval()
     return fast.compile() if variant.endswith("-compiled") else fast
 
@@ -186,8 +178,6 @@ def prompt_ids(tokenizer, n: int, vocab: int) -> list[int]:
 
 
 def minillm_runner(model, tokenizer):
-    from minillm.generate import generate
-
     def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
         t0 = time.perf_counter()
         out = generate(model, tokenizer, prompt, max_new_tokens=n, eos_token_ids=())
@@ -265,7 +255,7 @@ def matvec_seconds(layers, x_by_k: dict, repeats: int) -> float:
 
 
 def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped: dict) -> dict:
-    """{key: {"seconds", "tok_s"}} for the model dtype and, where minillm.quant is there, int8 and int4."""
+    """{key: {"seconds", "tok_s"}} for the model dtype, int8 and int4; a kind that fails is reported in `skipped`."""
     shapes = weight_shapes(config)
     x_by_k = {k: torch.randn(1, k, dtype=dtype) for _, k in shapes}
     gen = torch.Generator().manual_seed(0)
@@ -276,13 +266,9 @@ def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped:
             lin.weight.normal_(0, k**-0.5, generator=gen)
         return lin
 
-    kinds = {str(dtype).removeprefix("torch."): lambda lin, i: lin}
-    reason = quant_missing()
-    if reason is None:
-        from minillm.quant import Int4Linear, Int8Linear
-
-        kinds["int8"] = lambda lin, i: Int8Linear.from_linear(lin, name=f"ceiling.{i}")
-        kinds["int4"] = lambda lin, i: Int4Linear.from_linear(lin, group_size=group_size, name=f"ceiling.{i}")
+    kinds = {str(dtype).removeprefix("torch."): lambda lin, i: lin,
+             "int8": lambda lin, i: Int8Linear.from_linear(lin, name=f"ceiling.{i}"),
+             "int4": lambda lin, i: Int4Linear.from_linear(lin, group_size=group_size, name=f"ceiling.{i}")}
     out = {}
     for key, make in kinds.items():
         try:
@@ -293,8 +279,6 @@ def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped:
             skipped[f"ceiling-{key}"] = f"skipped: {type(e).__name__}: {e}"
         layers = None
         gc.collect()
-    if reason is not None:
-        skipped["ceiling-int8"] = skipped["ceiling-int4"] = reason
     return out
 
 
@@ -327,8 +311,6 @@ def transformers_padded_batch(hf_model, requests, pad_id: int) -> float:
 
 
 def minillm_engine(model, tokenizer, requests) -> float:
-    from minillm.engine import Engine
-
     blocks = sum(-(-(len(p) + m) // 16) for p, m in requests)  # every request's KV at once, in 16-token blocks
     engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
                     enable_prefix_caching=False)
@@ -340,8 +322,6 @@ def minillm_engine(model, tokenizer, requests) -> float:
 
 
 def engine_rows(sides: Sides, args, row) -> None:
-    from minillm.fast import FastCausalLM
-
     prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
     models = {"readable": sides.model, "fast": FastCausalLM(sides.model).eval()}
     for n in args.requests:
@@ -401,11 +381,7 @@ def run_benchmark(args) -> dict:
         if what == "all":
             row("memory", "transformers", "transformers footprint", "MiB", None,
                 sides.hf.get_memory_footprint() / 2**20)
-        missing = quant_missing()
         for variant in args.variants:
-            if missing and "int" in variant:
-                skipped[variant] = missing
-                continue
             t0 = time.perf_counter()
             try:
                 model = build_variant(sides.model, variant, args.group_size)
@@ -448,13 +424,11 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    import os
-
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
 
 
 def transformers_version() -> str:
-    import transformers
+    import transformers  # imported on use: see load_transformers
 
     return transformers.__version__
 

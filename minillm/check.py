@@ -23,8 +23,16 @@ import types
 from pathlib import Path
 from typing import Callable
 
+import gguf
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from minillm.kv_cache import KVCache
+from minillm.model import ModelConfig
+from minillm.paged_cache import BlockManager, PagedKVCache
+from minillm.tensor import Tensor, narrow
+from minillm.tensor import transpose as _transpose  # `transpose` here is the check of a student's transpose
 
 __all__ = [
     "contiguous_strides", "transpose", "expand", "matmul",
@@ -123,8 +131,6 @@ def _expect_raises(what: str, exc_type: type[Exception], call: Callable[[], obje
 
 
 def _tensor(t: torch.Tensor):
-    from minillm.tensor import Tensor
-
     return Tensor.from_torch(t)
 
 
@@ -171,8 +177,6 @@ def transpose(fn) -> bool:
         for d0, d1 in [(0, 2), (1, 2), (-1, -2), (1, 1)]:
             _check_view(f"transpose(t {tuple(base.shape)}, {d0}, {d1})", fn(t, d0, d1), base.transpose(d0, d1), t,
                         "swap the strides too, not only the sizes")
-        from minillm.tensor import narrow
-
         part = narrow(t, 0, 1, 1)  # a view with offset 12
         _check_view("transpose of a view with offset 12", fn(part, 1, 2), base[1:2].transpose(1, 2), part)
     return _run("transpose", body)
@@ -195,8 +199,6 @@ def expand(fn) -> bool:
 def matmul(fn) -> bool:
     """matmul(a, b): (..., M, K) @ (..., K, N) with broadcast batch dims, reading any strides."""
     def body():
-        from minillm.tensor import transpose as _transpose
-
         g = torch.Generator().manual_seed(0)
         ints = lambda *shape: torch.randint(-4, 5, shape, generator=g).float()  # noqa: E731 exact in fp32
         a, b, c, d = ints(2, 3), ints(3, 4), ints(2, 2, 3), ints(3, 2)
@@ -452,8 +454,6 @@ def mlp_forward(cls) -> bool:
 
 
 def _tiny_config(qk_norm: bool = False):
-    from minillm.model import ModelConfig
-
     return ModelConfig(model_type="qwen3" if qk_norm else "qwen2", vocab_size=32, hidden_size=32,
                        intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -487,8 +487,6 @@ def _randomise(module: torch.nn.Module, seed: int = 0) -> None:
 def attention_forward(cls) -> bool:
     """Attention.forward(x, cos, sin, mask, cache, pos): projections, RoPE, GQA attention, o_proj."""
     def body():
-        from minillm.kv_cache import KVCache
-
         for qk_norm in (False, True):
             cfg = _tiny_config(qk_norm)
             m = cls(cfg)
@@ -576,8 +574,6 @@ def kv_cache_update(cls) -> bool:
 
 
 def _paged_pool(seed: int = 0):
-    from minillm.paged_cache import PagedKVCache
-
     g = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(8, 4, 2, 3)  # 8 blocks of 4 slots, Hkv 2, D 3
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
@@ -608,8 +604,6 @@ def gather_reference(fn) -> bool:
 
 def batch_layout(fn) -> bool:
     """batch_layout(manager, seq_ids, T) -> BatchLayout with right-aligned rows."""
-    from minillm.paged_cache import BlockManager
-
     def body():
         manager = BlockManager(16, 4, enable_prefix_caching=False)
         manager.allocate("a", list(range(10, 19)))  # 9 tokens
@@ -766,9 +760,6 @@ def _q4_1_decode(raw: torch.Tensor, shape, pairs: str = "j, j+16", offset: float
 def dequantize_q4_1(fn) -> bool:
     """dequantize_q4_1(raw, shape): GGUF Q4_1 blocks -> float32 weights, checked against the gguf package."""
     def body():
-        import gguf
-        import numpy as np
-
         x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
         packed = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_1)  # (2, 40): 2 blocks per row
         expected = torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q4_1).copy())
@@ -828,7 +819,9 @@ def _notebook_code(path: Path) -> tuple[str, list[str] | None]:
         if tagged or any(_EXPORT.match(line) for line in src.splitlines()):
             chunks.append("\n".join(line for line in src.splitlines() if not line.startswith("#|")))
     stubs = nb.get("metadata", {}).get("minillm", {}).get("stubs")
-    return "\n\n".join(chunks), stubs
+    lines = "\n\n".join(chunks).splitlines()  # several modules' cells: their __future__ imports go first
+    future = [line for line in lines if line.startswith("from __future__ import")]
+    return "\n".join([*dict.fromkeys(future), *(line for line in lines if line not in future)]), stubs
 
 
 def check_path(path: str | Path) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from minillm.attention import attention_mask as build_attention_mask
 from minillm.model import CausalLM, ModelConfig, check_forward_inputs, padded_positions
+from minillm.quant import Int4Linear, Int8Linear, int8_table
 from minillm.rope import rope_inv_freq
 
 QUANTIZE_CHOICES = (None, "int8", "int4")
@@ -49,8 +50,6 @@ def quantize_linear(linear: nn.Linear, quantize: str | None, group_size: int, na
     """The layer itself (quantize=None) or its int8 / int4 weight-only version from minillm.quant."""
     if quantize is None:
         return linear
-    from minillm.quant import Int4Linear, Int8Linear
-
     if quantize == "int8":
         return Int8Linear.from_linear(linear, name=name, kernel=kernel)
     return Int4Linear.from_linear(linear, group_size=group_size, name=name, kernel=kernel)
@@ -130,8 +129,6 @@ class FastCausalLM(nn.Module):
                                      dtype=weight.dtype)
             self.lm_head.weight = weight  # shared, not copied
         else:  # tied and quantized: int8 rows shared by lookup and head, as llama.cpp keeps token_embd at Q8_0
-            from minillm.quant import int8_table
-
             self.embed_tokens, self.lm_head = int8_table(weight, kernel)
         freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32),
                             rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))  # (P, D/2)

@@ -17,11 +17,12 @@ References:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from minillm.attention import attention_mask, scaled_dot_product_attention
@@ -303,8 +304,6 @@ def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor], source: s
 
 def from_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     """A model from a folder with config.json and a single model.safetensors (shards: see the weights notebook)."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     config = ModelConfig.from_json(folder / "config.json")
     weights = folder / "model.safetensors"

@@ -26,9 +26,13 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import gguf
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minillm.rope import rope_inv_freq
+from minillm.weights import _check_names_and_shapes, _open_gguf, gguf_to_hf_name, unpermute_qk
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -378,11 +382,6 @@ def load_gguf_quantized(path: str | Path, kernel: str = "auto") -> nn.Module:
 
     The file is checked by minillm.weights first; F32/F16/BF16 tensors load as float32; the
     embedding becomes int8 rows, shared with a tied head. Other block types: ValueError."""
-    import gguf
-
-    from minillm.rope import rope_inv_freq
-    from minillm.weights import _check_names_and_shapes, _open_gguf, gguf_to_hf_name, unpermute_qk
-
     path = Path(path)
     config, shapes, _ = _open_gguf(path)  # every count, offset and block size checked
     model = _check_names_and_shapes(config, shapes, str(path))  # on the meta device: no memory yet
@@ -415,61 +414,3 @@ def load_gguf_quantized(path: str | Path, kernel: str = "auto") -> nn.Module:
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not still_meta, f"tensors never loaded: {still_meta}"
     return model.eval()
-
-
-@torch.no_grad()
-def perplexity(model: nn.Module, ids: Sequence[int], window: int = 256) -> float:
-    """exp(mean negative log-likelihood) of ids[1:], scored in consecutive chunks of `window` tokens.
-
-    Each chunk starts with an empty context, so its first token is not scored."""
-    if window < 2 or len(ids) < 2:
-        raise ValueError(f"need window >= 2 and at least 2 ids, got window={window}, {len(ids)} ids")
-    device = next(model.parameters()).device
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = torch.tensor([list(ids[start:start + window])], device=device)  # (1, T)
-        if chunk.shape[1] < 2:
-            break
-        logits = model(chunk)[0].float()  # (T, V)
-        nll += F.cross_entropy(logits[:-1], chunk[0, 1:], reduction="sum").item()
-        count += chunk.shape[1] - 1
-    return math.exp(nll / count)
-
-
-def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """Mean over positions of KL(P_ref || P) between next-token distributions, logits (..., V)."""
-    if ref_logits.shape != logits.shape:
-        raise ValueError(f"logits shapes differ: {tuple(ref_logits.shape)} vs {tuple(logits.shape)}")
-    ref = F.log_softmax(ref_logits.float(), dim=-1)
-    out = F.log_softmax(logits.float(), dim=-1)
-    return (ref.exp() * (ref - out)).sum(dim=-1).mean().item()
-
-
-def greedy_tokens(model: nn.Module, tokenizer, prompt_ids: Sequence[int], n: int = 64) -> list[int]:
-    """n greedy tokens after prompt_ids (end-of-text ignored), through minillm.generate."""
-    from minillm.generate import generate
-
-    return generate(model, tokenizer, list(prompt_ids), max_new_tokens=n, eos_token_ids=[]).token_ids
-
-
-@torch.no_grad()
-def forced_choices(model: nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int]) -> list[int]:
-    """The model's greedy choice at each position of `continuation`, fed the prompt and the
-    continuation itself (teacher forcing): one forward instead of len(continuation) steps."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids) + list(continuation)], device=device)  # (1, T)
-    logits = model(ids)[0, len(prompt_ids) - 1: -1]  # (n, V): predictions of the continuation's tokens
-    return logits.argmax(dim=-1).tolist()
-
-
-def greedy_agreement(reference: Sequence[int], tokens: Sequence[int]) -> int:
-    """How many leading tokens two greedy runs share (after the first difference, contexts differ).
-
-    With tokens = forced_choices(model, prompt, reference) this is the length a free-running greedy
-    run of `model` would match `reference`: until its first different choice it saw the same context."""
-    same = 0
-    for a, b in zip(reference, tokens):
-        if a != b:
-            break
-        same += 1
-    return same

@@ -23,12 +23,13 @@ import threading
 import time
 import uuid
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minillm.api import LLM
 from minillm.engine import Engine, Output
-from minillm.generate import LLM
 from minillm.sampling import SamplingParams
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
@@ -342,8 +343,6 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **app_kwargs) -> None:
     """Run the server until Ctrl-C (127.0.0.1 by default: reachable from this machine only)."""
-    import uvicorn
-
     uvicorn.run(create_app(llm, **app_kwargs), host=host, port=port, log_level="info")
 
 
@@ -354,8 +353,6 @@ class BackgroundServer:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
-        import uvicorn
-
         if port == 0:
             with socket.socket() as s:
                 s.bind((host, 0))

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from gguf import GGUFReader  # memory-maps a file; Tokenizer.from_gguf reads only its metadata
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
@@ -286,8 +287,6 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The byte-level BPE tokenizer ('gpt2' model) stored in a GGUF file's metadata."""
-        from gguf import GGUFReader  # gguf's reader memory-maps the file; only metadata is read here
-
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")

@@ -26,7 +26,9 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import torch
+from gguf.quants import dequantize
 
 from minillm.model import CausalLM, ModelConfig, load_weights
 from minillm.rope import rope_inv_freq
@@ -118,8 +120,6 @@ def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
 
 
 def _read_gguf(path: Path):
-    import gguf
-
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as exc:  # gguf's parser on a bad file
@@ -128,9 +128,6 @@ def _read_gguf(path: Path):
 
 def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator[tuple[str, torch.Tensor]]]:
     """Check a GGUF file; return its config, {HF name: shape} and an iterator of (HF name, fp32 tensor)."""
-    import gguf
-    from gguf.quants import dequantize
-
     path = Path(path)
     reader = _read_gguf(path)
     config = gguf_config(reader, path)
@@ -371,6 +368,7 @@ def verify_sha256(folder: str | Path) -> None:
 
 def download(repo_id: str, revision: str | None = None) -> Path:
     """The folder of a hub model: from the local cache if there, else downloaded (HF_ENDPOINT, HF_HOME)."""
+    # imported on use: huggingface_hub reads HF_HOME and HF_ENDPOINT when first imported
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -401,8 +399,6 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
 
     device defaults to pick_device(); dtype to default_dtype(device).
     """
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     device = pick_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype

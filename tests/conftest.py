@@ -1,5 +1,5 @@
-"""Shared by every test: the header that ties a run to the machine it ran on, and a compile
-cache per kernel set."""
+"""Shared by every test: the header that ties a run to the machine it ran on, a compile cache
+per kernel set, and the real model loaded once per run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import re
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
+
+from minillm.embedded import embedded_gguf_path
+from minillm.tokenizer import Tokenizer
+from minillm.weights import from_gguf
 
 
 def cpu_summary() -> str:
@@ -31,6 +36,14 @@ def pytest_configure(config) -> None:
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         kernels = torch.backends.cpu.get_cpu_capability().lower()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{kernels}")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer): the embedded SmolLM2-135M-Instruct dequantized to float32, loaded once
+    per run. Shared, so read-only: a test that changes weights works on a copy."""
+    path = embedded_gguf_path()
+    return from_gguf(path), Tokenizer.from_gguf(path)
 
 
 def pytest_report_header(config) -> list[str]:

@@ -103,13 +103,20 @@ def test_table(capsys):
     assert "matvec" in out and "float32" in out
 
 
-def test_quant_missing_is_reported_not_dropped(monkeypatch):
-    monkeypatch.setattr(bench, "quant_missing", lambda: "skipped: minillm.quant not available (test)")
+def test_a_variant_that_cannot_be_built_is_reported_not_dropped(monkeypatch):
+    def no_int_kernels(model, variant, group_size):
+        if "int" in variant:
+            raise RuntimeError("no packed kernels here (test)")
+        return model
+
+    monkeypatch.setattr(bench, "build_variant", no_int_kernels)
+    monkeypatch.setattr(bench.Int4Linear, "from_linear", classmethod(lambda cls, *a, **k: no_int_kernels(0, "int", 0)))
     result = bench.run_benchmark(bench.parse_args(["decode", *QUICK, "--variants", "readable", "fast-int4"]))
-    assert result["skipped"]["fast-int4"] == "skipped: minillm.quant not available (test)"
-    assert {"ceiling-int8", "ceiling-int4"} <= set(result["skipped"])
+    assert result["skipped"]["fast-int4"] == "skipped: RuntimeError: no packed kernels here (test)"
+    assert result["skipped"]["ceiling-int4"] == "skipped: RuntimeError: no packed kernels here (test)"
+    assert "int8" in result["ceilings"] and "ceiling-int8" not in result["skipped"]
     assert rows(result, variant="readable", metric="decode") and not rows(result, variant="fast-int4")
-    assert "fast-int4: skipped: minillm.quant not available" in bench.render_table(result)
+    assert "fast-int4: skipped: RuntimeError: no packed kernels here" in bench.render_table(result)
 
 
 def test_defaults_and_compile_flag():

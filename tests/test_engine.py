@@ -106,10 +106,8 @@ def test_engine_forgets_finished_requests(tiny, tok):
     assert sum(ref() is not None for ref in alive) == 0
 
 
-def test_eos_and_stop_strings_finish_requests(tok):
-    from minillm.weights import from_gguf
-
-    smol = from_gguf(embedded_gguf_path())
+def test_eos_and_stop_strings_finish_requests(tok, smollm2):
+    smol = smollm2[0]
     chats = [tok.apply_chat_template([{"role": "user", "content": q}])
              for q in ["What is the capital of France?", "Name three colors."]]
     engine = Engine(smol, tok, num_blocks=128)

@@ -20,7 +20,6 @@ from minillm.generate import generate
 from minillm.kv_cache import make_cache
 from minillm.model import from_folder
 from minillm.tokenizer import Tokenizer
-from minillm.weights import from_gguf
 from tolerance import assert_logits_close
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -34,9 +33,8 @@ def fixture(request):
 
 
 @pytest.fixture(scope="module")
-def smol():
-    gguf = embedded_gguf_path()
-    return from_gguf(gguf), Tokenizer.from_gguf(gguf)
+def smol(smollm2):
+    return smollm2
 
 
 @torch.no_grad()

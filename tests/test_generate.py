@@ -8,20 +8,18 @@ import torch
 from safetensors.torch import load_file
 
 import minillm
-from minillm.embedded import embedded_gguf_path
-from minillm.generate import StopStrings, generate, generate_batch, parse_device, parse_dtype, stream
+from minillm.api import parse_device, parse_dtype
+from minillm.generate import StopStrings, generate, generate_batch, stream
 from minillm.model import from_folder
 from minillm.sampling import SamplingParams
-from minillm.tokenizer import Tokenizer
-from minillm.weights import from_gguf
 from tolerance import SMOLLM2_REL, logits_tolerance, top2_margin
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return from_gguf(embedded_gguf_path()), Tokenizer.from_gguf(embedded_gguf_path())
+def smol(smollm2):
+    return smollm2
 
 
 def chat_ids(tokenizer, text):

@@ -6,10 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minillm.embedded import embedded_gguf_path
 from minillm.kv_cache import ConcatKVCache, KVCache, kv_cache_bytes, make_cache
 from minillm.model import ModelConfig, from_folder
-from minillm.weights import from_gguf
 from tolerance import SMOLLM2_REL, assert_logits_close
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -97,8 +95,8 @@ def test_padded_batch_through_the_cache_equals_one_at_a_time():
         assert batch_tokens[b] == alone, b
 
 
-def test_smollm2_cached_greedy_equals_transformers():
-    model = from_gguf(embedded_gguf_path())
+def test_smollm2_cached_greedy_equals_transformers(smollm2):
+    model = smollm2[0]
     ref = load_file(DATA / "smollm2" / "reference.safetensors")
     ids = ref["prompt_ids_1"]
     tokens, logits = decode(model, ids, 32, make_cache(model.config, 1, len(ids) + 32))

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from safetensors.torch import load_file
 
-from minillm.embedded import embedded_gguf_path
 from minillm.kv_cache import make_cache
 from minillm.model import from_folder
 from minillm.paged_cache import (
@@ -22,7 +21,6 @@ from minillm.paged_cache import (
     make_paged_cache,
     paged_forward,
 )
-from minillm.weights import from_gguf
 from tolerance import assert_logits_close
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -77,8 +75,8 @@ def test_paged_batched_decode_equals_dense_and_transformers(name):
         assert_logits_close(steps[i], want)
 
 
-def test_smollm2_paged_equals_dense_and_transformers():
-    model = from_gguf(embedded_gguf_path())
+def test_smollm2_paged_equals_dense_and_transformers(smollm2):
+    model = smollm2[0]
     ref = load_file(DATA / "smollm2" / "reference.safetensors")
     ids, n = ref["prompt_ids_1"], 16
     tokens, steps = paged_greedy(model, [ids], n)

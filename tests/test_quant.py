@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minillm.api import load
 from minillm.embedded import embedded_gguf_path
-from minillm.generate import load
+from minillm.evaluate import forced_choices, greedy_agreement, kl_divergence, perplexity
 from minillm.model import from_folder
 from minillm.quant import (
     GGUF_DEQUANTIZE,
@@ -34,14 +35,10 @@ from minillm.quant import (
     dequantize_q4_0,
     dequantize_q4_1,
     dequantize_q8_0,
-    forced_choices,
     gguf_linear,
-    greedy_agreement,
-    kl_divergence,
     load_gguf_quantized,
     model_bytes,
     pack_int4,
-    perplexity,
     quantize_int4,
     quantize_int8,
     quantize_model,

@@ -11,7 +11,8 @@ import urllib.request
 import openai
 import pytest
 
-from minillm.generate import generate, load
+from minillm.api import load
+from minillm.generate import generate
 from minillm.server import BackgroundServer, create_app
 
 MODEL = "smollm2"

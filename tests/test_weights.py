@@ -21,7 +21,6 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 import minillm.weights as weights
-from minillm.embedded import embedded_gguf_path
 from minillm.model import CausalLM, ModelConfig
 from minillm.weights import (
     WeightsError,
@@ -52,17 +51,17 @@ def logits_of(model, ids):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return from_gguf(embedded_gguf_path()), load_file(DATA / "smollm2" / "reference.safetensors")
+def smol_ref(smollm2):
+    return smollm2[0], load_file(DATA / "smollm2" / "reference.safetensors")
 
 
-def test_smollm2_logits_and_32_greedy_tokens_match_transformers(smollm2):
+def test_smollm2_logits_and_32_greedy_tokens_match_transformers(smol_ref):
     # One forward per prompt over prompt + the 32 reference tokens (teacher forcing). Causal
     # attention makes position p's logits those of the prefix 0..p alone, so:
     # - position T-1 holds the last prompt logits, compared with transformers' at 1e-3;
     # - argmax == the next reference token at every step means a step-by-step greedy run
     #   reproduces all 32 tokens.
-    model, ref = smollm2
+    model, ref = smol_ref
     for i in range(3):
         ids, greedy = ref[f"prompt_ids_{i}"], ref[f"greedy_{i}"]
         logits = logits_of(model, torch.cat([ids, greedy]))  # (T + 32, V)
@@ -70,8 +69,8 @@ def test_smollm2_logits_and_32_greedy_tokens_match_transformers(smollm2):
         assert logits[len(ids) - 1 : -1].argmax(-1).tolist() == greedy.tolist(), f"prompt {i}"
 
 
-def test_smollm2_prompt_alone_and_step_by_step(smollm2):
-    model, ref = smollm2
+def test_smollm2_prompt_alone_and_step_by_step(smol_ref):
+    model, ref = smol_ref
     ids = ref["prompt_ids_1"]  # the shortest prompt (32 tokens)
     assert_logits_close(logits_of(model, ids)[-1], ref["last_logits_1"], rel=SMOLLM2_REL)
     for _ in range(3):  # the slow way: a full recompute per token
@@ -79,8 +78,8 @@ def test_smollm2_prompt_alone_and_step_by_step(smollm2):
     assert ids[-3:].tolist() == ref["greedy_1"][:3].tolist()
 
 
-def test_smollm2_config_from_metadata(smollm2):
-    model, _ = smollm2
+def test_smollm2_config_from_metadata(smol_ref):
+    model, _ = smol_ref
     c = model.config
     assert (c.model_type, c.vocab_size, c.hidden_size, c.num_hidden_layers) == ("llama", 49152, 576, 30)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (9, 3, 64, 1536)

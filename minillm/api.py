@@ -1,0 +1,134 @@
+# Generated from notebooks/10_generate.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""The front door: `minillm.load(...)` -> `LLM`, with chat, generate and stream in a line each.
+
+Built in notebooks/10_generate.ipynb on the generation loop. `load` picks the loader for a hub id,
+a model folder or a .gguf file, applies the weight options of notebooks 13 (quantize) and 15
+(fast, compile), and checks every user-given string (device, dtype, quantize) first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from minillm.embedded import embedded_gguf_path
+from minillm.fast import FastCausalLM
+from minillm.generate import Completion, generate, stream
+from minillm.model import CausalLM
+from minillm.quant import GROUP_SIZES, load_gguf_quantized, quantize_model
+from minillm.sampling import SamplingParams
+from minillm.tensor import pick_device
+from minillm.tokenizer import Tokenizer
+from minillm.weights import download, load_model
+
+
+class LLM:
+    """A model and its tokenizer, with chat, generate and stream in a line each."""
+
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def encode_chat(self, messages: Sequence[dict], **template_kwargs) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"{self.tokenizer.source} has no chat template; use generate(prompt) with plain text")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+
+    def _ids(self, prompt_or_messages) -> list[int]:
+        if isinstance(prompt_or_messages, str):
+            return self.tokenizer.encode(prompt_or_messages)
+        return self.encode_chat(prompt_or_messages)
+
+    def generate(self, prompt: str, params: SamplingParams | None = None, **kwargs) -> Completion:
+        """Continue plain text (no chat template)."""
+        return generate(self.model, self.tokenizer, self.tokenizer.encode(prompt),
+                        params=params or SamplingParams(temperature=0), **kwargs)
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, **kwargs) -> Completion:
+        """Answer chat messages ([{"role": "user", "content": ...}, ...]) through the chat template."""
+        return generate(self.model, self.tokenizer, self.encode_chat(messages),
+                        params=params or SamplingParams(temperature=0), **kwargs)
+
+    def stream(self, prompt_or_messages, params: SamplingParams | None = None, **kwargs) -> Iterator[str]:
+        """Text pieces as they are generated, for a plain prompt (str) or chat messages (list)."""
+        for step in stream(self.model, self.tokenizer, self._ids(prompt_or_messages),
+                           params=params or SamplingParams(temperature=0), **kwargs):
+            if step.text:
+                yield step.text
+
+
+QUANTIZE = ("int8", "int4", "gguf")
+
+
+def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
+         device: str | torch.device | None = None, quantize: str | None = None, group_size: int = 32,
+         fast: bool = False, compile: bool = False) -> LLM:
+    """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct.
+
+    quantize (notebook 13): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
+    the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1 blocks quantized (CPU).
+    fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too."""
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"unknown quantize {quantize!r}; choose one of: {', '.join(QUANTIZE)} (or None)")
+    if quantize == "int4" and group_size not in GROUP_SIZES:  # each layer's K is checked when quantized
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    if quantize != "int4" and group_size != 32:
+        raise ValueError(f"group_size {group_size} applies to quantize='int4' only, got quantize={quantize!r}")
+    if compile and not fast:
+        raise ValueError("compile=True compiles the fast path: pass fast=True too")
+    if fast and quantize == "gguf":
+        raise ValueError("fast=True rebuilds the layers from float weights and cannot keep GGUF blocks; "
+                         "use quantize='int4' (the same 4-bit grid as Q4_0/Q4_1 at group_size 32)")
+    source = embedded_gguf_path() if model is None else model
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    path = Path(source)
+    if quantize == "gguf":
+        if path.suffix != ".gguf" or device not in (None, "auto", "cpu") or dtype not in (None, torch.float32):
+            raise ValueError(f"quantize='gguf' keeps a .gguf file's blocks and runs on cpu in float32; "
+                             f"got model {source}, device {device}, dtype {dtype}")
+        net = load_gguf_quantized(path)
+    else:
+        net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
+        if fast:
+            net = FastCausalLM(net, quantize=quantize, group_size=group_size)
+            if compile:
+                net.compile()
+        elif quantize is not None:
+            net = quantize_model(net, quantize, group_size)
+    if path.suffix == ".gguf":
+        tokenizer = Tokenizer.from_gguf(path)
+    elif path.is_dir():
+        tokenizer = Tokenizer.from_folder(path)
+    else:  # a hub id: load_model has put it in the cache
+        tokenizer = Tokenizer.from_folder(download(str(source)))
+    return LLM(net, tokenizer)
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """'float32' / 'float16' / 'bfloat16' (or fp32, fp16, bf16; 'auto' or None = the device's default)."""
+    if name in (None, "auto"):
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str | torch.device | None) -> torch.device | None:
+    """'cpu', 'cuda', 'cuda:N', 'mps' (or 'auto' / None = CUDA, then MPS, then CPU), checked for availability."""
+    if name in (None, "auto"):
+        return pick_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; choose one of: auto, cpu, cuda, cuda:N, mps") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unknown device {name!r}; choose one of: auto, cpu, cuda, cuda:N, mps")
+    pick_device(device.type)  # raises if that kind of device is not available here
+    return device
