@@ -47,12 +47,6 @@ def logits_tolerance(reference: torch.Tensor, rel: float = TINY_REL) -> float:
     return rel * float(reference.detach().float().std())
 
 
-def logits_error(actual: torch.Tensor, expected: torch.Tensor, rel: float = TINY_REL) -> float:
-    """max |actual - expected| in units of the tolerance: <= 1 passes, > 1 fails."""
-    diff = (actual.detach().float() - expected.detach().float()).abs().max()
-    return float(diff) / logits_tolerance(expected, rel)
-
-
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = TINY_REL, msg: str = "") -> None:
     """torch.testing.assert_close at the suite's tolerance (shapes, dtypes and NaNs checked too)."""
     atol = logits_tolerance(expected, rel)
