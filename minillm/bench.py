@@ -104,11 +104,11 @@ def load_sides(args) -> Sides:
     gguf, dtype = embedded_gguf_path(), getattr(torch, args.dtype)
     if args.quick:
         source, name = DATA / "tiny-llama", "tiny-llama (fixture)"
-        load = lambda: from_folder(source, dtype=dtype)  # noqa: E731
+        load = lambda: from_folder(source, dtype=dtype)
     else:
         source = Path(args.model) if args.model else gguf
         name = source.name if args.model is None or Path(args.model).exists() else args.model
-        load = lambda: load_model(args.model or gguf, dtype=dtype, device="cpu")  # noqa: E731
+        load = lambda: load_model(args.model or gguf, dtype=dtype, device="cpu")
     ours = []
     for _ in range(2):  # the best of two loads: the first pays one-off imports and cold file reads
         model = None
@@ -275,7 +275,7 @@ def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped:
             layers = [make(linear(n, k), i) for i, (n, k) in enumerate(shapes)]  # one at a time: bounded memory
             seconds = matvec_seconds(layers, x_by_k, repeats)
             out[key] = {"seconds": seconds, "tok_s": 1 / seconds}
-        except Exception as e:  # noqa: BLE001 -- reported, not hidden
+        except Exception as e:  # reported, not hidden
             skipped[f"ceiling-{key}"] = f"skipped: {type(e).__name__}: {e}"
         layers = None
         gc.collect()
@@ -385,7 +385,7 @@ def run_benchmark(args) -> dict:
             t0 = time.perf_counter()
             try:
                 model = build_variant(sides.model, variant, args.group_size)
-            except Exception as e:  # noqa: BLE001 -- reported, not hidden
+            except Exception as e:  # reported, not hidden
                 skipped[variant] = f"skipped: {type(e).__name__}: {e}"
                 continue
             row("load", variant, "build time", "s", time.perf_counter() - t0)
@@ -471,7 +471,7 @@ def positive_int(flag: str):
 
 def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     """The flags every subcommand takes; on a subcommand (suppress) an absent flag keeps the top level's value."""
-    d = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)  # noqa: E731
+    d = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
     add = parser.add_argument
     add("--model", default=d(None), help="a .gguf file, a model folder or a hub id (default: the embedded SmolLM2)")
     add("--quick", action="store_true", default=d(False), help="the tiny fixture data/tiny-llama (seconds)")

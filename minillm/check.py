@@ -41,7 +41,7 @@ __all__ = [
     "rms_norm", "mlp_forward", "attention_forward", "decoder_layer_forward",
     "kv_cache_update", "top_k_filter", "top_p_filter", "min_p_filter", "quantize_int4", "dequantize_q4_1",
     "CHECKS", "check_namespace", "check_path", "main",
-]  # fmt: skip
+]
 
 
 class CheckFailed(Exception):
@@ -200,7 +200,7 @@ def matmul(fn) -> bool:
     """matmul(a, b): (..., M, K) @ (..., K, N) with broadcast batch dims, reading any strides."""
     def body():
         g = torch.Generator().manual_seed(0)
-        ints = lambda *shape: torch.randint(-4, 5, shape, generator=g).float()  # noqa: E731 exact in fp32
+        ints = lambda *shape: torch.randint(-4, 5, shape, generator=g).float()  # exact in fp32
         a, b, c, d = ints(2, 3), ints(3, 4), ints(2, 2, 3), ints(3, 2)
         cases = [("a (2, 3) @ b (3, 4)", _tensor(a), _tensor(b), a @ b, None),
                  ("a.T @ a (a transposed: not contiguous)", _transpose(_tensor(a), 0, 1), _tensor(a), a.t() @ a,
@@ -523,7 +523,7 @@ def decoder_layer_forward(cls) -> bool:
         x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
         cos, sin = _cos_sin(torch.arange(T), _inv_freq(cfg.head_dim))
         mask = _causal(T, T, 0)
-        attn = lambda y: layer.self_attn(y, cos, sin, mask)  # noqa: E731
+        attn = lambda y: layer.self_attn(y, cos, sin, mask)
         n1, n2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
         h = x + attn(n1(x))
         expected = h + mlp(n2(h))
@@ -785,7 +785,7 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "KVCache.update": kv_cache_update, "gather_reference": gather_reference, "batch_layout": batch_layout,
     "top_k_filter": top_k_filter, "top_p_filter": top_p_filter, "min_p_filter": min_p_filter,
     "quantize_int4": quantize_int4, "dequantize_q4_1": dequantize_q4_1,
-}  # fmt: skip
+}
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
 _EXPORT = re.compile(r"^#\|\s*export")

@@ -153,7 +153,7 @@ def ragged_layout(manager: BlockManager, seq_ids: list, new_tokens: list[int], s
         mask.append([0] * (C - c) + [1] * c + [0] * (T - n) + [1] * n)
         slots.append([sink_slot] * (T - n) + row[c:])
         positions.append([0] * (T - n) + list(range(c, L)))
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     return BatchLayout(t(slots), t(gather), t(mask), t(positions), C)
 
 

@@ -47,7 +47,7 @@ _GGUF_BLOCK = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}  # fmt: skip
+}
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -83,7 +83,7 @@ def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
     arch = _meta(reader, "general.architecture", path)
     if arch not in GGUF_ARCHITECTURES:
         raise WeightsError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
-    key = lambda name, default=_MISSING: _meta(reader, f"{arch}.{name}", path, default)  # noqa: E731
+    key = lambda name, default=_MISSING: _meta(reader, f"{arch}.{name}", path, default)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     heads = key("attention.head_count")
     cfg = {
@@ -218,7 +218,7 @@ def from_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
 SAFETENSORS_DTYPES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
@@ -418,7 +418,7 @@ _TORCH_DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
     "U32": torch.uint32, "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
-}  # fmt: skip
+}
 
 
 def stream_safetensors(path: str | Path, header: dict) -> Iterator[tuple[str, torch.Tensor]]:

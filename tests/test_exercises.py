@@ -31,7 +31,7 @@ make_exercises = load_tool("make_exercises")
 
 def test_exercise_notebooks_are_current():
     result = subprocess.run([sys.executable, "tools/make_exercises.py", "--check"], cwd=ROOT,
-                            capture_output=True, text=True)  # fmt: skip
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -132,7 +132,7 @@ def test_cli_fails_on_stubs_and_passes_on_the_reference(capsys):
 
 def test_cli_runs_as_a_module():
     result = subprocess.run([sys.executable, "-m", "minillm.check", "exercises/08_kv_cache.ipynb"], cwd=ROOT,
-                            capture_output=True, text=True)  # fmt: skip
+                            capture_output=True, text=True)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL KVCache.update: not implemented yet" in result.stdout
 
@@ -157,7 +157,7 @@ REFERENCE = {
     "batch_layout": paged_cache.batch_layout, "top_k_filter": sampling.top_k_filter,
     "top_p_filter": sampling.top_p_filter, "min_p_filter": sampling.min_p_filter,
     "quantize_int4": quant.quantize_int4, "dequantize_q4_1": quant.dequantize_q4_1,
-}  # fmt: skip
+}
 
 
 def test_every_check_has_a_reference():
@@ -233,7 +233,7 @@ def matmul_storage_order(a, b):
         return tensor.matmul(a, b)
     (m, k), n = a.shape, b.shape[1]
     out = [sum(a.storage[a.layout.offset + i * k + kk] * b.storage[b.layout.offset + kk * n + j] for kk in range(k))
-           for i in range(m) for j in range(n)]  # fmt: skip
+           for i in range(m) for j in range(n)]
     return tensor.Tensor(tensor.Storage(out, a.dtype), tensor.Layout.contiguous((m, n)))
 
 
@@ -390,7 +390,7 @@ def _write_reference(root: Path, body: str, doc: str = "Doc.") -> Path:
                     f"    {body}\n", "    ### END SOLUTION\n"]},
         {"cell_type": "code", "execution_count": 3, "metadata": {}, "outputs": [],
          "source": ["from minillm.double import rms_norm\n", "print(rms_norm(3))"]},
-    ]  # fmt: skip
+    ]
     path = root / "notebooks" / "01_double.ipynb"
     path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     return path

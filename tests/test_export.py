@@ -38,7 +38,7 @@ def test_repo_modules_match_their_notebooks():
 
 def code(source: str) -> dict:
     return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
-            "source": source.splitlines(keepends=True)}  # fmt: skip
+            "source": source.splitlines(keepends=True)}
 
 
 def markdown(source: str) -> dict:
@@ -100,7 +100,7 @@ def test_export_drops_exactly_the_solution_marker_lines(project):
         code('#| export\ndef double(x):\n    """Twice x."""\n    ### BEGIN SOLUTION\n    y = 2 * x\n'
              '    return y  # ### END SOLUTION stays: not a marker line\n    ### END SOLUTION\n'),
         code("def scratch():\n    ### BEGIN SOLUTION\n    return 0\n    ### END SOLUTION"),
-    ])  # fmt: skip
+    ])
     assert export(project) == 0
     text = (project / "minillm" / "norm.py").read_text(encoding="utf-8")
     assert "### BEGIN SOLUTION" not in text and "\n    ### END SOLUTION" not in text
@@ -160,7 +160,7 @@ def test_export_module_sends_a_cell_to_another_module(project, capsys):
         code("#| export\nTWO = 2"),
         code("#| exports geometry.shapes\nCUBE = 3"),
         code("#| export model\nTHREE = 3  # naming the default module is the same as not naming it"),
-    ])  # fmt: skip
+    ])
     assert export(project) == 0
     model = (project / "minillm" / "model.py").read_text(encoding="utf-8")
     shapes = (project / "minillm" / "geometry" / "shapes.py").read_text(encoding="utf-8")

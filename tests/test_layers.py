@@ -100,7 +100,7 @@ def test_planted_bug_rms_norm_in_bf16_is_caught():
 
 def test_planted_bug_eps_ignored_is_caught_at_small_activations():
     ours, theirs = norm_pair(896, 1e-6)
-    ignore_eps = lambda x: rms_norm(x, ours.weight, 0.0)  # noqa: E731
+    ignore_eps = lambda x: rms_norm(x, ours.weight, 0.0)
     with torch.no_grad():
         normal = torch.randn(4, 896)
         # at ordinary scales dropping eps changes outputs by about eps / (2 mean(x^2)) relative ...

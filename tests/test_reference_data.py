@@ -29,7 +29,7 @@ NOT_IN_MANIFEST = {"manifest.json", "README.md"}
 HF_CONFIG_FIELDS = [
     "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
-]  # fmt: skip
+]
 
 
 # ---------------------------------------------------------------- helpers

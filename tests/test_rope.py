@@ -25,7 +25,7 @@ from minillm.rope import (
 )
 
 LLAMA3_1 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}  # fmt: skip
+            "original_max_position_embeddings": 8192}
 LLAMA3_2 = {**LLAMA3_1, "factor": 32.0}
 
 # name: (transformers rotary class, config class, config kwargs, head_dim, rope_theta, rope_scaling)
@@ -39,7 +39,7 @@ CASES = {
     "llama3.2-1b": (LlamaRotaryEmbedding, LlamaConfig, dict(hidden_size=2048, num_attention_heads=32, head_dim=64, max_position_embeddings=131072), 64, 5e5, LLAMA3_2),
     "linear-legacy-type": (LlamaRotaryEmbedding, LlamaConfig, dict(hidden_size=512, num_attention_heads=8), 64, 1e4, {"type": "linear", "factor": 4.0}),
     "linear-rope-type": (LlamaRotaryEmbedding, LlamaConfig, dict(hidden_size=1024, num_attention_heads=8), 128, 1e4, {"rope_type": "linear", "factor": 2.5}),
-}  # fmt: skip
+}
 
 
 def hf_rotary(name: str):

@@ -113,7 +113,7 @@ def write_gguf(fixture, path, qtype=Q.F32, arch=None, skip_keys=(), extra=None, 
         "block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
         "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
         "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": cfg["num_key_value_heads"],
-    }  # fmt: skip
+    }
     if "head_dim" in cfg and cfg["model_type"] == "qwen3":
         keys["attention.key_length"] = cfg["head_dim"]
         keys["attention.value_length"] = cfg["head_dim"]

@@ -105,7 +105,7 @@ def check_name(stub: str) -> str:
 
 def _code(source: str, tags: list[str] | None = None) -> dict:
     cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
-            "source": source.splitlines(keepends=True)}  # fmt: skip
+            "source": source.splitlines(keepends=True)}
     if tags:
         cell["metadata"]["tags"] = tags
     return cell
