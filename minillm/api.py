@@ -107,7 +107,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     return LLM(net, tokenizer)
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -115,9 +115,9 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     """'float32' / 'float16' / 'bfloat16' (or fp32, fp16, bf16; 'auto' or None = the device's default)."""
     if name in (None, "auto"):
         return None
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[name]
 
 
 def parse_device(name: str | torch.device | None) -> torch.device | None:
