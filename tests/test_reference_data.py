@@ -229,13 +229,17 @@ def test_tiny_greedy_margins_survive_the_tolerance(name):
     ref = load_file(DATA / name / "reference.safetensors")
     model = load_hf_model(DATA / name)
     for i, prompt in enumerate(numbered(ref, "input_ids")):
-        greedy = ref[f"greedy_{i}"]
-        with torch.no_grad():
-            logits = model(torch.cat([prompt, greedy[:-1]])[None]).logits[0, len(prompt) - 1 :]  # (32, V)
-        assert logits.argmax(-1).tolist() == greedy.tolist(), f"{name} greedy_{i}"
-        margin, tol = top2_margin(logits), logits_tolerance(ref[f"logits_{i}"], TINY_REL)
-        assert float(margin.min()) > 2 * tol, (f"{name} greedy_{i} step {int(margin.argmin())}: top-2 margin "
-                                               f"{float(margin.min()):.1e} <= 2 x tolerance {tol:.1e}")
+        tol = logits_tolerance(ref[f"logits_{i}"], TINY_REL)
+        assert_greedy_decided_beyond(2 * tol, model, prompt, ref[f"greedy_{i}"], f"{name} greedy_{i}")
+
+
+def assert_greedy_decided_beyond(gap: float, model, prompt: torch.Tensor, greedy: torch.Tensor, what: str) -> None:
+    """transformers, fed prompt + greedy (teacher forcing), picks every greedy token with a top-2 margin > gap."""
+    with torch.no_grad():
+        logits = model(torch.cat([prompt, greedy[:-1]])[None]).logits[0, len(prompt) - 1 :]  # (32, V)
+    assert logits.argmax(-1).tolist() == greedy.tolist(), what
+    margin = top2_margin(logits)
+    assert float(margin.min()) > gap, f"{what} step {int(margin.argmin())}: top-2 margin {float(margin.min()):.1e} <= {gap:.1e}"
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -334,10 +338,5 @@ def test_smollm2_greedy_margins_survive_the_tolerance(smollm2_ref, smollm2_model
     """As for the tiny fixtures: every stored SmolLM2 greedy step is decided by more than twice
     the SMOLLM2_REL tolerance (measured smallest margin: 0.012 against 2 x 9e-4)."""
     for i, prompt in enumerate(numbered(smollm2_ref, "prompt_ids")):
-        greedy = smollm2_ref[f"greedy_{i}"]
-        with torch.no_grad():
-            logits = smollm2_model(torch.cat([prompt, greedy[:-1]])[None]).logits[0, len(prompt) - 1 :]  # (32, V)
-        assert logits.argmax(-1).tolist() == greedy.tolist(), f"greedy_{i}"
-        margin, tol = top2_margin(logits), logits_tolerance(smollm2_ref[f"last_logits_{i}"], SMOLLM2_REL)
-        assert float(margin.min()) > 2 * tol, (f"greedy_{i} step {int(margin.argmin())}: top-2 margin "
-                                               f"{float(margin.min()):.1e} <= 2 x tolerance {tol:.1e}")
+        tol = logits_tolerance(smollm2_ref[f"last_logits_{i}"], SMOLLM2_REL)
+        assert_greedy_decided_beyond(2 * tol, smollm2_model, prompt, smollm2_ref[f"greedy_{i}"], f"greedy_{i}")
