@@ -108,7 +108,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
 
 
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

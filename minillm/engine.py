@@ -46,7 +46,6 @@ class Sequence:
     pending: int | None = None  # sampled, KV not yet computed
     finish_reason: str | None = None
     error: str | None = None
-    preemptions: int = 0
     num_cached: int = 0  # leading tokens whose KV the prefix cache already held at admission
 
     @property
@@ -96,7 +95,6 @@ class Scheduler:
         if seq.pending is not None:  # sampled and streamed already: keep it, its KV is recomputed
             seq.output_ids.append(seq.pending)
         seq.status, seq.pending = WAITING, None
-        seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
