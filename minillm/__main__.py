@@ -18,22 +18,17 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import gguf
-
 from minillm.api import load
 from minillm.embedded import embedded_gguf_path
 from minillm.generate import stream
+from minillm.gguf_file import read_gguf
 from minillm.sampling import SamplingParams
 from minillm.server import serve
 
 
 def gguf_summary(path: Path) -> dict:
     """Architecture, sizes and quantization of a GGUF file, read from its header and tensor table."""
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError, OverflowError) as exc:
-        # gguf's reader raises several types on a truncated or corrupt header
-        raise ValueError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    reader = read_gguf(path)  # WeightsError (a ValueError) naming the file if it is not readable
 
     def field(key: str, default=None):
         f = reader.fields.get(key)

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
+from minillm.devices import parse_device, parse_dtype
 from minillm.embedded import embedded_gguf_path
 from minillm.fast import FastCausalLM
 from minillm.generate import Completion, generate, stream
 from minillm.model import CausalLM
-from minillm.quant import GROUP_SIZES, load_gguf_quantized, quantize_model
+from minillm.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
 from minillm.sampling import SamplingParams
-from minillm.tensor import pick_device
 from minillm.tokenizer import Tokenizer
 from minillm.weights import download, load_model
 
@@ -59,7 +59,7 @@ class LLM:
                 yield step.text
 
 
-QUANTIZE = ("int8", "int4", "gguf")
+QUANTIZE = (*MODES, "gguf")  # notebook 13's modes, and keeping a .gguf file's own blocks
 
 
 def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
@@ -98,37 +98,14 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
                 net.compile()
         elif quantize is not None:
             net = quantize_model(net, quantize, group_size)
+    return LLM(net, load_tokenizer(source))
+
+
+def load_tokenizer(source: str | Path) -> Tokenizer:
+    """The tokenizer of a model source: a .gguf file's own, a folder's files, or a hub id's (from the cache)."""
+    path = Path(source)
     if path.suffix == ".gguf":
-        tokenizer = Tokenizer.from_gguf(path)
-    elif path.is_dir():
-        tokenizer = Tokenizer.from_folder(path)
-    else:  # a hub id: load_model has put it in the cache
-        tokenizer = Tokenizer.from_folder(download(str(source)))
-    return LLM(net, tokenizer)
-
-
-DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    """'float32' / 'float16' / 'bfloat16' (or fp32, fp16, bf16; 'auto' or None = the device's default)."""
-    if name in (None, "auto"):
-        return None
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(DTYPE_NAMES)}")
-    return DTYPE_NAMES[name]
-
-
-def parse_device(name: str | torch.device | None) -> torch.device | None:
-    """'cpu', 'cuda', 'cuda:N', 'mps' (or 'auto' / None = CUDA, then MPS, then CPU), checked for availability."""
-    if name in (None, "auto"):
-        return pick_device()
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {name!r}; choose one of: auto, cpu, cuda, cuda:N, mps") from None
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"unknown device {name!r}; choose one of: auto, cpu, cuda, cuda:N, mps")
-    pick_device(device.type)  # raises if that kind of device is not available here
-    return device
+        return Tokenizer.from_gguf(path)
+    if path.is_dir():
+        return Tokenizer.from_folder(path)
+    return Tokenizer.from_folder(download(str(source)))  # a hub id: load_model has put it in the cache

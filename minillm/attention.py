@@ -25,6 +25,8 @@ import math
 import torch
 from torch import Tensor
 
+from minillm.devices import on_host
+
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     """(B, Hkv, S, D) -> (B, Hkv * n_rep, S, D): kv head g serves query heads g*n_rep .. g*n_rep + n_rep - 1."""
@@ -83,14 +85,17 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor | None = None, mask: Tensor | 
             raise ValueError(f"attention: mask of shape {tuple(mask.shape)} does not broadcast to (B, H, T, S) = {(B, H, T, S)}")
 
 
-def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: float | None = None) -> Tensor:
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: float | None = None,
+                      *, check: bool = True) -> Tensor:
     """softmax(q k^T * scale) over the keys: (B, H, T, S) in q's dtype, the softmax done in float32.
 
     q (B, H, T, D); k (B, Hkv, S, D) with H % Hkv == 0; mask bool, broadcastable to (B, H, T, S),
     True = may attend; scale defaults to 1 / sqrt(D). Masked keys get weight exactly 0, and a
     query row with no allowed key gets all zeros (softmax of all -inf would be NaN).
+    check=False skips the shape checks: for a caller that checked its inputs once, at its own entry.
     """
-    _check_shapes(q, k, mask=mask)
+    if check:
+        _check_shapes(q, k, mask=mask)
     B, H, T, D = q.shape
     k = repeat_kv(k, H // k.shape[1])                          # (B, Hkv, S, D) -> (B, H, S, D)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -105,16 +110,19 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: f
 
 
 def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None, *, check: bool = True
 ) -> Tensor:
     """softmax(q k^T / sqrt(D)) v -> (B, H, T, D).
 
     q (B, H, T, D); k, v (B, Hkv, S, D) with H % Hkv == 0 (grouped-query attention); mask bool,
     broadcastable to (B, H, T, S), True = may attend. Computes in the input dtype with the softmax
-    in float32. A query with no allowed key gets a zero output, not NaN.
+    in float32. A query with no allowed key gets a zero output, not NaN. check=False skips the
+    shape checks: the model's layers pass it, their shapes fixed by the config and its inputs
+    checked once per forward (notebook 05), so a decode step does no per-layer validation.
     """
-    _check_shapes(q, k, v, mask)
-    weights = attention_weights(q, k, mask, scale)             # (B, H, T, S)
+    if check:
+        _check_shapes(q, k, v, mask)
+    weights = attention_weights(q, k, mask, scale, check=False)  # (B, H, T, S)
     return weights @ repeat_kv(v, q.shape[1] // v.shape[1])    # (B, H, T, S) @ (B, H, S, D) -> (B, H, T, D)
 
 
@@ -124,7 +132,7 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
         raise TypeError(f"padding_mask: attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
     if attention_mask.ndim != 2:
         raise ValueError(f"padding_mask: attention_mask must be 2-D (B, S), got shape {tuple(attention_mask.shape)}")
-    if attention_mask.dtype != torch.bool and not ((attention_mask == 0) | (attention_mask == 1)).all():
+    if attention_mask.dtype != torch.bool and on_host(attention_mask) and not ((attention_mask == 0) | (attention_mask == 1)).all():
         raise ValueError("padding_mask: attention_mask must hold only 0 (padding) and 1 (real token)")
     return attention_mask.bool()[:, None, None, :]            # (B, S) -> (B, 1, 1, S)
 

@@ -62,7 +62,6 @@ import json
 import os
 import platform
 import random
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -71,14 +70,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from minillm.api import load_tokenizer
+from minillm.bench_engine import engine_rows
+from minillm.devices import peak_memory_mib
 from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine
 from minillm.fast import FastCausalLM
 from minillm.generate import generate
-from minillm.model import from_folder
-from minillm.quant import Int4Linear, Int8Linear, quantize_model
+from minillm.quant import quantize_model
+from minillm.roofline import ceilings, weight_mib
 from minillm.tokenizer import Tokenizer
-from minillm.weights import download, load_model
+from minillm.weights import load_model
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 VARIANTS = ("readable", "fast", "readable-int8", "readable-int4", "fast-int8", "fast-int4")
@@ -104,25 +105,21 @@ def load_sides(args) -> Sides:
     gguf, dtype = embedded_gguf_path(), getattr(torch, args.dtype)
     if args.quick:
         source, name = DATA / "tiny-llama", "tiny-llama (fixture)"
-        load = lambda: from_folder(source, dtype=dtype)
     else:
         source = Path(args.model) if args.model else gguf
         name = source.name if args.model is None or Path(args.model).exists() else args.model
-        load = lambda: load_model(args.model or gguf, dtype=dtype, device="cpu")
+    where = source if args.quick or args.model is None or Path(args.model).exists() else args.model  # path or hub id
     ours = []
     for _ in range(2):  # the best of two loads: the first pays one-off imports and cold file reads
         model = None
         gc.collect()
         t0 = time.perf_counter()
-        model = load().eval()
+        model = load_model(where, dtype=dtype, device="cpu").eval()
         ours.append(time.perf_counter() - t0)
-    if source.suffix == ".gguf":
-        tokenizer = Tokenizer.from_gguf(source)
-    else:
-        try:
-            tokenizer = Tokenizer.from_folder(source if source.exists() else download(str(args.model)))
-        except Exception:  # a fixture without tokenizer files: ids are all that matters here
-            tokenizer = Tokenizer.from_gguf(gguf)
+    try:
+        tokenizer = load_tokenizer(where)
+    except FileNotFoundError:  # a fixture without tokenizer files: ids are all that matters here
+        tokenizer = Tokenizer.from_gguf(gguf)
     return Sides(name, model, tokenizer, None, (min(ours), None), source)
 
 
@@ -211,131 +208,6 @@ def measure(run, prompts: dict[int, list[int]], tokens: int | None, repeats: int
     return result
 
 
-# ---------------------------------------------------------------- memory and ceilings
-
-def weight_mib(module: nn.Module) -> float:
-    """Parameters, buffers and tensor attributes of every submodule, each storage counted once."""
-    seen, total = set(), 0
-    for m in module.modules():
-        tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False),
-                   *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total / 2**20
-
-
-def peak_rss_mib() -> float:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**20 if sys.platform == "darwin" else 2**10)
-
-
-def weight_shapes(config) -> list[tuple[int, int]]:
-    """(N, K) of every linear one token passes through: q, k, v, o, gate, up, down per layer, lm head."""
-    h, i, D = config.hidden_size, config.intermediate_size, config.head_dim
-    H, Hkv = config.num_attention_heads, config.num_key_value_heads
-    layer = [(H * D, h), (Hkv * D, h), (Hkv * D, h), (h, H * D), (i, h), (i, h), (h, i)]
-    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
-
-
-def matvec_seconds(layers, x_by_k: dict, repeats: int) -> float:
-    """Best of `repeats` passes of one (1, K) matrix-vector product through every layer."""
-    with torch.no_grad():
-        for layer in layers[:8]:
-            layer(x_by_k[layer.in_features])  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for layer in layers:
-                layer(x_by_k[layer.in_features])
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped: dict) -> dict:
-    """{key: {"seconds", "tok_s"}} for the model dtype, int8 and int4; a kind that fails is reported in `skipped`."""
-    shapes = weight_shapes(config)
-    x_by_k = {k: torch.randn(1, k, dtype=dtype) for _, k in shapes}
-    gen = torch.Generator().manual_seed(0)
-
-    def linear(n, k):
-        lin = nn.Linear(k, n, bias=False, dtype=dtype)
-        with torch.no_grad():
-            lin.weight.normal_(0, k**-0.5, generator=gen)
-        return lin
-
-    kinds = {str(dtype).removeprefix("torch."): lambda lin, i: lin,
-             "int8": lambda lin, i: Int8Linear.from_linear(lin, name=f"ceiling.{i}"),
-             "int4": lambda lin, i: Int4Linear.from_linear(lin, group_size=group_size, name=f"ceiling.{i}")}
-    out = {}
-    for key, make in kinds.items():
-        try:
-            layers = [make(linear(n, k), i) for i, (n, k) in enumerate(shapes)]  # one at a time: bounded memory
-            seconds = matvec_seconds(layers, x_by_k, repeats)
-            out[key] = {"seconds": seconds, "tok_s": 1 / seconds}
-        except Exception as e:  # reported, not hidden
-            skipped[f"ceiling-{key}"] = f"skipped: {type(e).__name__}: {e}"
-        layers = None
-        gc.collect()
-    return out
-
-
-# ---------------------------------------------------------------- the engine (continuous batching)
-
-def mixed_requests(n: int, vocab: int, seed: int = 0, prompt_range=(8, 96), new_range=(8, 64)):
-    """n (prompt ids, max_new_tokens) pairs of mixed lengths, reproducible."""
-    rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*new_range))
-            for _ in range(n)]
-
-
-def transformers_padded_batch(hf_model, requests, pad_id: int) -> float:
-    """Seconds for transformers' generate on all requests as one left-padded batch, greedy.
-
-    A padded batch runs until its longest request is done; only each request's own
-    max_new_tokens count as useful tokens (the same tokens minillm's engine produces)."""
-    T = max(len(p) for p, _ in requests)
-    ids = torch.full((len(requests), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(requests), T, dtype=torch.long)
-    for b, (p, _) in enumerate(requests):
-        ids[b, T - len(p):] = torch.tensor(p)
-        mask[b, T - len(p):] = 1
-    longest = max(m for _, m in requests)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                          do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
-    return time.perf_counter() - t0
-
-
-def minillm_engine(model, tokenizer, requests) -> float:
-    blocks = sum(-(-(len(p) + m) // 16) for p, m in requests)  # every request's KV at once, in 16-token blocks
-    engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
-                    enable_prefix_caching=False)
-    t0 = time.perf_counter()
-    out = engine.generate([p for p, _ in requests], max_new_tokens=[m for _, m in requests], eos_token_ids=())
-    seconds = time.perf_counter() - t0
-    assert [len(r["token_ids"]) for r in out] == [m for _, m in requests]
-    return seconds
-
-
-def engine_rows(sides: Sides, args, row) -> None:
-    prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
-    models = {"readable": sides.model, "fast": FastCausalLM(sides.model).eval()}
-    for n in args.requests:
-        requests = mixed_requests(n, sides.model.config.vocab_size, seed=n, prompt_range=prompt_range,
-                                  new_range=new_range)
-        useful = sum(m for _, m in requests)
-        theirs = useful / transformers_padded_batch(sides.hf, requests, pad_id=0)
-        for variant, model in models.items():
-            row("engine", variant, "engine", "tok/s", useful / minillm_engine(model, sides.tokenizer, requests),
-                theirs, n=n)
-    del models
-    gc.collect()
-
-
 # ---------------------------------------------------------------- the run
 
 def run_benchmark(args) -> dict:
@@ -407,12 +279,12 @@ def run_benchmark(args) -> dict:
             gc.collect()
     if what in ("all", "engine"):
         engine_rows(sides, args, row)
-    row("memory", "process", "peak RSS", "MiB", peak_rss_mib())
+    row("memory", "process", "peak RSS", "MiB", peak_memory_mib(torch.device("cpu")))
     rows.sort(key=lambda r: SECTIONS.index(r["section"]))  # stable: each section's rows keep their order
     return {"machine": machine(), "model": sides.name, "dtype": str(dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers_version(),
             "args": {k: v for k, v in vars(args).items()}, "skipped": skipped, "ceilings": ceiling,
-            "peak_rss_mib": peak_rss_mib(), "rows": rows}
+            "peak_rss_mib": peak_memory_mib(torch.device("cpu")), "rows": rows}
 
 
 def machine() -> dict:

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.generate import StopStrings, drain_text
+from minillm.generate import TextStream, check_prompt
 from minillm.model import CausalLM
-from minillm.paged_cache import BatchLayout, BlockManager, PagedView, make_paged_cache
+from minillm.paged_cache import BlockManager, PagedView, batch_layout, make_paged_cache
 from minillm.sampling import SamplingParams, make_generator, sample
-from minillm.tokenizer import StreamDecoder, Tokenizer
+from minillm.tokenizer import Tokenizer
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -36,10 +36,7 @@ class Sequence:
     id: int
     prompt_ids: list[int]
     params: SamplingParams
-    max_new_tokens: int
-    eos_token_ids: frozenset[int]
-    stop: StopStrings
-    decoder: StreamDecoder
+    text: TextStream  # the text and finish rule, shared with generate.stream
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     status: str = WAITING
@@ -113,6 +110,7 @@ class Scheduler:
                 self.manager.append(seq.id, seq.pending)
                 decoding.append(seq)
         admitted, rejected = [], []
+        fresh: set[int] = set()  # blocks given out in this call: their keys exist only after this step's prefill
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             ids = seq.token_ids
@@ -122,37 +120,15 @@ class Scheduler:
                 continue
             if not self.manager.can_allocate(ids):
                 break  # oldest first: wait for blocks
+            if fresh.intersection(self.manager.prefix_hits(ids)):
+                break  # its prefix is being computed now (prefill batches may run in any order): next step
             self.waiting.popleft()
             seq.num_cached = self.manager.allocate(seq.id, ids)
+            fresh.update(self.manager.block_table(seq.id))
             seq.status = RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted, decoding, rejected
-
-
-def ragged_layout(manager: BlockManager, seq_ids: list, new_tokens: list[int], sink_slot: int,
-                  device: str | torch.device | None = None) -> BatchLayout:
-    """Layout of a batch where row b computes its last new_tokens[b] accounted tokens (a batched prefill).
-
-    Keys: S = C + T columns, C = max cached count, T = max new count. Row b's cached keys are
-    right-aligned in the first C columns and its new tokens in the last T; the gaps are padding,
-    masked as keys, and padding queries write their keys/values to `sink_slot`.
-    """
-    lengths = [manager.num_tokens(s) for s in seq_ids]
-    if len(new_tokens) != len(seq_ids) or not all(1 <= n <= L for n, L in zip(new_tokens, lengths)):
-        raise ValueError(f"ragged_layout: need 1 <= new_tokens[b] <= length for each sequence, "
-                         f"got new_tokens {new_tokens}, lengths {lengths}")
-    cached = [L - n for L, n in zip(lengths, new_tokens)]
-    C, T = max(cached), max(new_tokens)
-    slots, gather, mask, positions = [], [], [], []
-    for s, L, c, n in zip(seq_ids, lengths, cached, new_tokens):
-        row = [manager.slot(s, p) for p in range(L)]
-        gather.append([0] * (C - c) + row[:c] + [0] * (T - n) + row[c:])
-        mask.append([0] * (C - c) + [1] * c + [0] * (T - n) + [1] * n)
-        slots.append([sink_slot] * (T - n) + row[c:])
-        positions.append([0] * (T - n) + list(range(c, L)))
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-    return BatchLayout(t(slots), t(gather), t(mask), t(positions), C)
 
 
 class Engine:
@@ -176,16 +152,12 @@ class Engine:
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> int:
         """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        self.tokenizer.check_ids(prompt_ids)
+        context = self.scheduler.max_model_len
+        prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, self.model.config.vocab_size)
         params = params or SamplingParams(temperature=0)
         eos = self.tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
-        seq = Sequence(next(self._ids), list(prompt_ids), params, max_new_tokens, frozenset(eos),
-                       StopStrings(stop), StreamDecoder(self.tokenizer, skip_special_tokens=True),
-                       make_generator(params.seed, self.device))
+        text = TextStream(self.tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
+        seq = Sequence(next(self._ids), prompt_ids, params, text, make_generator(params.seed, self.device))
         self.sequences[seq.id] = seq
         self.scheduler.add(seq)
         return seq.id
@@ -241,7 +213,7 @@ class Engine:
 
     def _forward(self, seqs: list[Sequence], new_ids: list[list[int]]) -> torch.Tensor:
         """Next-token logits (B, V): one forward computing each sequence's new tokens (left-padded to T)."""
-        layout = ragged_layout(self.manager, [s.id for s in seqs], [len(n) for n in new_ids], self.sink_slot, self.device)
+        layout = batch_layout(self.manager, [s.id for s in seqs], [len(n) for n in new_ids], self.sink_slot, self.device)
         T = layout.slots.shape[1]
         ids = torch.tensor([[0] * (T - len(n)) + n for n in new_ids], device=self.device)  # (B, T)
         views = [PagedView(c, layout) for c in self.cache]
@@ -290,22 +262,11 @@ class Engine:
 
     def _advance(self, seq: Sequence, token: int) -> Output:
         """Record a sampled token: stream its text, or finish the sequence."""
-        n_out = len(seq.output_ids) + 1
-        if token in seq.eos_token_ids:
+        text, finish = seq.text.push(token)
+        if finish is not None:
             seq.output_ids.append(token)
-            text = drain_text(seq.decoder, seq.stop)
-            self._finish(seq, "stop")
-            return Output(seq.id, token, text, True, "stop")
-        text, hit = seq.stop.push(seq.decoder.push(token))
-        if hit:
-            seq.output_ids.append(token)
-            self._finish(seq, "stop")
-            return Output(seq.id, token, text, True, "stop")
-        if n_out >= seq.max_new_tokens or len(seq.token_ids) + 1 >= self.scheduler.max_model_len:
-            seq.output_ids.append(token)
-            text += drain_text(seq.decoder, seq.stop)
-            self._finish(seq, "length")
-            return Output(seq.id, token, text, True, "length")
+            self._finish(seq, finish)
+            return Output(seq.id, token, text, True, finish)
         seq.pending = token  # computed by the next decode step
         return Output(seq.id, token, text)
 

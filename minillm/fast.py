@@ -24,11 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minillm.attention import attention_mask as build_attention_mask
-from minillm.model import CausalLM, ModelConfig, check_forward_inputs, padded_positions
-from minillm.quant import Int4Linear, Int8Linear, int8_table
-from minillm.rope import rope_inv_freq
+from minillm.model import CausalLM, ModelConfig, check_forward_inputs, padded_positions, rope_frequencies
+from minillm.quant import MODES, int8_table, quantize_linear
 
-QUANTIZE_CHOICES = (None, "int8", "int4")
+QUANTIZE_CHOICES = (None, *MODES)  # None: the model's own dtype
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -43,16 +42,6 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
         if first.bias is not None:
             fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
     return fused
-
-
-def quantize_linear(linear: nn.Linear, quantize: str | None, group_size: int, name: str,
-                    kernel: str = "auto") -> nn.Module:
-    """The layer itself (quantize=None) or its int8 / int4 weight-only version from minillm.quant."""
-    if quantize is None:
-        return linear
-    if quantize == "int8":
-        return Int8Linear.from_linear(linear, name=name, kernel=kernel)
-    return Int4Linear.from_linear(linear, group_size=group_size, name=name, kernel=kernel)
 
 
 class FastLayer(nn.Module):
@@ -131,7 +120,7 @@ class FastCausalLM(nn.Module):
         else:  # tied and quantized: int8 rows shared by lookup and head, as llama.cpp keeps token_embd at Q8_0
             self.embed_tokens, self.lm_head = int8_table(weight, kernel)
         freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32),
-                            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))  # (P, D/2)
+                            rope_frequencies(config))  # (P, D/2)
         angles = torch.cat((freqs, freqs), dim=-1).to(weight.device)  # (P, D)
         dtype = weight.dtype
         self.register_buffer("cos", angles.cos().to(dtype), persistent=False)  # (P, D): one row per position
@@ -151,8 +140,7 @@ class FastCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache: list | None = None, start_pos: int = 0, logits_to_keep: int = 0) -> Tensor:
         """Logits (B, T, V), as CausalLM.forward; logits_to_keep=n > 0 returns only the last n positions."""
-        B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep,
-                                       check_ids=input_ids.device.type == "cpu")  # ids checked on CPU: no device sync
+        B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         if positions is None and attention_mask is not None:  # left padding: count real tokens before each one
             positions = padded_positions(attention_mask, start_pos)  # (B, T)
         if positions is None:

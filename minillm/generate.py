@@ -12,14 +12,13 @@ Shape legend: B batch, T tokens, V vocab.
 
 from __future__ import annotations
 
-import resource
-import sys
-import time
-from collections.abc import Iterator, Sequence
+import operator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from minillm.devices import peak_memory_mib, reset_peak_memory, synchronized_time
 from minillm.kv_cache import make_cache
 from minillm.model import CausalLM
 from minillm.sampling import SamplingParams, make_generator, sample
@@ -69,15 +68,21 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
 
 
-def check_prompt(prompt_len: int, max_new_tokens: int, context: int) -> None:
-    """ValueError naming both numbers when the prompt cannot fit, or max_new_tokens is not >= 1."""
+def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int, vocab_size: int) -> list[int]:
+    """The one check of a request's prompt and length, for `stream`, `generate_batch` and the engine:
+    the ids as a list of ints, or ValueError naming what is wrong and the numbers involved."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if prompt_len < 1:
+    ids = [operator.index(i) for i in prompt_ids]  # TypeError for floats and strings
+    if not ids:
         raise ValueError("the prompt is empty: at least one token is needed")
-    if prompt_len >= context:
-        raise ValueError(f"the prompt has {prompt_len} tokens but the context holds {context}; "
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:  # checked here, in Python: the model reads ids on a GPU without checking them
+        raise ValueError(f"token id {bad} is out of range: the model's vocabulary has {vocab_size} ids")
+    if len(ids) >= context:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {context}; "
                          "shorten the prompt (at least one token must be left to generate)")
+    return ids
 
 
 class StopStrings:
@@ -104,23 +109,34 @@ class StopStrings:
         return out
 
 
-def drain_text(decoder: StreamDecoder, stops: StopStrings) -> str:
-    """At the end: whatever the decoder and the stop-string holder still hold."""
-    text, hit = stops.push(decoder.flush())
-    return text if hit else text + stops.flush()
+class TextStream:
+    """The text and the finish rule of one request, shared by `stream` and the engine (notebook 12).
 
+    push(token) takes each sampled token and returns (the text it completes, the finish reason or
+    None): "stop" for an end-of-turn token (not itself text) or a stop string (cut before it),
+    "length" at max_new_tokens or when the context is full."""
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+    def __init__(self, tokenizer: Tokenizer, prompt_len: int, max_new_tokens: int, context: int,
+                 eos_token_ids: Iterable[int], stop: Sequence[str] = ()):
+        self.decoder, self.stops = StreamDecoder(tokenizer, skip_special_tokens=True), StopStrings(stop)
+        self.eos = frozenset(eos_token_ids)
+        self.tokens, self.prompt_len, self.max_new_tokens, self.context = 0, prompt_len, max_new_tokens, context
 
+    def push(self, token: int) -> tuple[str, str | None]:
+        self.tokens += 1  # generated so far, this one included
+        if token in self.eos:
+            return self.drain(), "stop"
+        text, hit = self.stops.push(self.decoder.push(token))
+        if hit:
+            return text, "stop"
+        if self.tokens == self.max_new_tokens or self.prompt_len + self.tokens == self.context:
+            return text + self.drain(), "length"
+        return text, None
 
-def _peak_memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+    def drain(self) -> str:
+        """At the end: whatever the decoder and the stop-string holder still hold."""
+        text, hit = self.stops.push(self.decoder.flush())
+        return text if hit else text + self.stops.flush()
 
 
 @torch.no_grad()
@@ -136,50 +152,42 @@ def stream(
     """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
-    check_prompt(len(prompt_ids), max_new_tokens, context)
-    eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size)
+    eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
+    text_stream = TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
     total = min(len(prompt_ids) + max_new_tokens, context)  # the cache never needs more
     cache = make_cache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
     generator = make_generator(params.seed, device)
-    decoder, stops = StreamDecoder(tokenizer, skip_special_tokens=True), StopStrings(stop)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
 
-    start = _now(device)
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, T)
+    start = synchronized_time(device)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
     logits = model(ids, cache=cache, start_pos=0, logits_to_keep=1)[:, -1]  # prefill: (1, V), the last position only
-    prefill_done = _now(device)
-    seen, generated, finish = list(prompt_ids), [], None
+    prefill_done = synchronized_time(device)
+    seen, finish = list(prompt_ids), None
     first_token_at = None
     while finish is None:
         pick = sample(logits, params, generator, token_ids=[seen], prompt_lengths=[len(prompt_ids)])
-        token = int(pick.tokens[0])
-        first_token_at = first_token_at or _now(device)
+        token = int(pick.tokens[0])  # the one read-back a step needs: the host decides what comes next
+        first_token_at = first_token_at or synchronized_time(device)
         seen.append(token)
-        generated.append(token)
-        if token in eos:  # the end-of-turn token itself is not text
-            finish, text = "stop", drain_text(decoder, stops)
-        else:
-            text, hit = stops.push(decoder.push(token))
-            if hit:
-                finish = "stop"
-            elif len(generated) == max_new_tokens or len(seen) == context:
-                finish, text = "length", text + drain_text(decoder, stops)
+        text, finish = text_stream.push(token)
         top = pick.top_logprobs[0] if pick.top_logprobs else None
         step = Step(text, token, float(pick.logprobs[0]), top, finish)
         if finish is None:
             logits = model(pick.tokens.view(1, 1), cache=cache, start_pos=len(seen) - 1)[:, -1]  # decode: (1, V)
             yield step
-    end = _now(device)
+    end = synchronized_time(device)
+    generated = len(seen) - len(prompt_ids)
     decode_s = end - first_token_at
     step.metrics = Metrics(
         prompt_tokens=len(prompt_ids),
-        generated_tokens=len(generated),
+        generated_tokens=generated,
         prefill_ms=(prefill_done - start) * 1e3,
         time_to_first_token_ms=(first_token_at - start) * 1e3,
-        decode_ms_per_token=decode_s * 1e3 / max(len(generated) - 1, 1),
-        tokens_per_s=(len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
-        peak_memory_mib=_peak_memory_mib(device),
+        decode_ms_per_token=decode_s * 1e3 / max(generated - 1, 1),
+        tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+        peak_memory_mib=peak_memory_mib(device),
         device=device.type,
     )
     yield step
@@ -206,15 +214,15 @@ def generate_batch(
 ) -> list[list[int]]:
     """Generated ids for each prompt, run as one left-padded batch (B rows share each forward)."""
     device = next(model.parameters()).device
+    prompts = [check_prompt(p, max_new_tokens, model.config.max_position_embeddings, model.config.vocab_size)
+               for p in prompts]
     B, T = len(prompts), max(len(p) for p in prompts)
-    for p in prompts:
-        check_prompt(len(p), max_new_tokens, model.config.max_position_embeddings)
     eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     total = min(T + max_new_tokens, model.config.max_position_embeddings)
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
     mask = torch.zeros(B, total, dtype=torch.long, device=device)  # 1 = real token, over the whole cache
     for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = torch.tensor(list(p), device=device)  # left padding
+        ids[b, T - len(p):] = torch.tensor(p, device=device)  # left padding
         mask[b, T - len(p):] = 1
     cache = make_cache(model.config, B, total, dtype=next(model.parameters()).dtype, device=device)
     generator = make_generator(params.seed, device)

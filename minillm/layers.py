@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, check: bool = True) -> Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, accumulated in float32.
 
     Rounds like transformers' Qwen2RMSNorm: normalise in fp32, cast to x's dtype, then multiply
-    by the weight. The result has x's shape and dtype.
+    by the weight. The result has x's shape and dtype. check=False skips the weight-shape check
+    (the RMSNorm module: its weight was made to size).
     """
-    if weight.shape != (x.shape[-1],):
+    if check and weight.shape != (x.shape[-1],):
         raise ValueError(
             f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, "
             f"got weight shape {tuple(weight.shape)}"
@@ -48,20 +49,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"RMSNorm: x's last dim is {x.shape[-1]}, expected hidden_size {self.hidden_size}"
-            )
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor) -> Tensor:  # (..., hidden_size) -> same shape
+        # No per-call check: in a model this runs twice per layer per token, on hidden states whose
+        # size the config fixed. A wrong x still fails, in torch's broadcast, naming both sizes.
+        return rms_norm(x, self.weight, self.eps, check=False)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
-
-
-def silu(x: Tensor) -> Tensor:
-    """SiLU (Swish-1): x * sigmoid(x)."""
-    return F.silu(x)
 
 
 class MLP(nn.Module):
@@ -75,8 +69,6 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"MLP: x's last dim is {x.shape[-1]}, expected hidden_size {self.hidden_size}")
+    def forward(self, x: Tensor) -> Tensor:  # (..., h) -> (..., h); a wrong h fails in gate_proj, naming both sizes
         # (..., h) -> (..., I) twice, gate * up, -> (..., h)
-        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

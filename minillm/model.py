@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from minillm.attention import attention_mask, scaled_dot_product_attention
+from minillm.attention import attention_mask as build_attention_mask
+from minillm.attention import scaled_dot_product_attention
+from minillm.devices import on_host
 from minillm.layers import MLP, RMSNorm
 from minillm.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -152,10 +154,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: normalise each head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, check=False), apply_rope(k, cos, sin, check=False)  # shapes checked at entry
         if cache is not None:  # keys/values of tokens 0..pos-1 are cached: append ours, attend to all
             k, v = cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
-        out = scaled_dot_product_attention(q, k, v, mask)  # (B, H, T, D)
+        out = scaled_dot_product_attention(q, k, v, mask, check=False)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, H, T, D) -> (B, T, H*D)
         return self.o_proj(out)  # (B, T, h)
 
@@ -194,8 +196,12 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,), not a weight
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)  # (D/2,), not a weight
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """inv_freq computed afresh in float32, on `device` (default: where it is): after model.to(bf16)
+        rounded it, or after the loaders' to_empty() left it uninitialised (notebooks 06 and 13)."""
+        self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device if device is None else device)
 
     def forward(
         self,
@@ -221,10 +227,10 @@ class CausalLM(nn.Module):
             else:  # left padding: count real tokens before each position
                 positions = padded_positions(attention_mask, start_pos)  # (B, T)
         if self.inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: RoPE angles need fp32
-            self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(self.inv_freq.device)
+            self.reset_rope()
         x = self.model.embed_tokens(input_ids)  # (B, T, h)
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype=x.dtype)  # (B or 1, T, D)
-        mask = attention_mask_for(T, S, start_pos, attention_mask, x.device)  # bool, broadcasts to (B, 1, T, S)
+        mask = build_attention_mask(T, S, start_pos, attention_mask, x.device)  # bool, (B or 1, 1, T, S)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)
         x = self.model.norm(x)  # (B, T, h)
@@ -236,10 +242,13 @@ class CausalLM(nn.Module):
 
 
 def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                         cache: list | None, start_pos: int, logits_to_keep: int, check_ids: bool = True) -> tuple[int, int, int]:
-    """The checks of forward's arguments (shared with the fast path of notebook 15); returns (B, T, S).
+                         cache: list | None, start_pos: int, logits_to_keep: int) -> tuple[int, int, int]:
+    """The checks of forward's arguments, once per call (shared with the fast path of notebook 15);
+    returns (B, T, S). Nothing inside the layers checks again.
 
-    check_ids=False skips the id range check, which reads the ids back (a device sync on a GPU)."""
+    The id range is read only from ids on the CPU: reading ids on a GPU would stall it once per
+    token. There, the boundaries that make the ids check them: the tokenizer, generate's and the
+    engine's prompt check, the server."""
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     B, T = input_ids.shape
@@ -250,7 +259,7 @@ def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention
         raise ValueError(f"cache has {len(cache)} layers, the model has {config.num_hidden_layers}")
     if S > config.max_position_embeddings:
         raise ValueError(f"{S} tokens exceed max_position_embeddings {config.max_position_embeddings}")
-    if check_ids and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+    if on_host(input_ids) and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
         raise ValueError(f"input_ids must be in [0, {config.vocab_size}), got min {int(input_ids.min())} max {int(input_ids.max())}")
     if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
         raise ValueError(f"attention_mask must be (B, start_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
@@ -259,14 +268,14 @@ def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention
     return B, T, S
 
 
+def rope_frequencies(config: ModelConfig) -> torch.Tensor:
+    """RoPE's inv_freq (D/2,) float32 for a config: the one place that reads its RoPE fields."""
+    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
 def padded_positions(attention_mask: torch.Tensor, start_pos: int) -> torch.Tensor:
     """RoPE positions (B, T) of the new tokens under left padding: the count of real tokens before each one."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]
-
-
-def attention_mask_for(T: int, S: int, start: int, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The causal mask for T new tokens after `start` cached ones (S keys), and a (B, S) padding mask."""
-    return attention_mask(T, S, start=start, attention_mask=padding, device=device)
 
 
 def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor], source: str = "state dict") -> list[str]:

@@ -75,7 +75,7 @@ class BlockManager:
         """The key of a full block: its tokens and (through `parent`) everything before them."""
         return hash((parent, tuple(tokens)))
 
-    def _match(self, token_ids: list[int]) -> list[int]:
+    def prefix_hits(self, token_ids: list[int]) -> list[int]:
         """The cached blocks that hold the longest chain of the prompt's leading full blocks."""
         found, parent, bs = [], None, self.block_size
         if not self.enable_prefix_caching:
@@ -115,7 +115,7 @@ class BlockManager:
     # -- sequences -----------------------------------------------------------------------------
     def _need(self, token_ids: list[int]) -> tuple[list[int], int]:
         """(cached blocks to reuse, free blocks the prompt takes from the free list)."""
-        hits = self._match(token_ids)
+        hits = self.prefix_hits(token_ids)
         fully_cached = len(hits) * self.block_size == len(token_ids)
         need = self.blocks_needed(len(token_ids)) - len(hits) + int(fully_cached)  # +1: copy of the last
         need += sum(self.ref_count[b] == 0 for b in hits)  # idle cached blocks come off the free list
@@ -283,25 +283,35 @@ class BatchLayout:
     start_pos: int                # S - T: keys before the new tokens, in the padded layout
 
 
-def batch_layout(manager: BlockManager, seq_ids: list, T: int, device: str | torch.device | None = None) -> BatchLayout:
-    """Layout of a batch whose last T accounted tokens (per sequence) are the ones to compute.
+def batch_layout(manager: BlockManager, seq_ids: list, new_tokens: int | list[int], sink_slot: int | None = None,
+                 device: str | torch.device | None = None) -> BatchLayout:
+    """Layout of a batch where row b computes its last new_tokens[b] accounted tokens (an int: the same for all).
 
-    Row b holds L_b = manager.num_tokens(seq) keys right-aligned in S = max L_b columns:
-    columns S-L_b.. are positions 0..L_b-1, the columns before them are padding.
+    Keys: S = C + T columns, C = max cached count, T = max new count. Row b's cached keys are
+    right-aligned in the first C columns and its new tokens in the last T; the gaps are padding,
+    masked as keys. With the same count for every row (a decode step) there are no gaps in the new
+    part: each row is simply right-aligned in S = max L_b columns. A row with fewer new tokens than
+    T (a batched prefill, notebook 12) has padding queries, whose keys/values go to `sink_slot`.
     """
     lengths = [manager.num_tokens(s) for s in seq_ids]
-    if not seq_ids or T < 1 or T > min(lengths):
-        raise ValueError(f"batch_layout: need 1 <= T <= every sequence's length, got T={T}, lengths {lengths}")
-    S = max(lengths)
+    new = [new_tokens] * len(seq_ids) if isinstance(new_tokens, int) else list(new_tokens)
+    if not seq_ids or len(new) != len(seq_ids) or not all(1 <= n <= L for n, L in zip(new, lengths)):
+        raise ValueError(f"batch_layout: need 1 <= new tokens <= length for each sequence, "
+                         f"got new_tokens {new_tokens}, lengths {lengths}")
+    if len(set(new)) > 1 and sink_slot is None:
+        raise ValueError(f"batch_layout: rows with different new-token counts {new} need a sink_slot "
+                         "for their padding queries")
+    cached = [L - n for L, n in zip(lengths, new)]
+    C, T = max(cached), max(new)
     slots, gather, mask, positions = [], [], [], []
-    for s, L in zip(seq_ids, lengths):
+    for s, L, c, n in zip(seq_ids, lengths, cached, new):
         row = [manager.slot(s, p) for p in range(L)]
-        gather.append([0] * (S - L) + row)
-        mask.append([0] * (S - L) + [1] * L)
-        slots.append(row[L - T:])
-        positions.append(list(range(L - T, L)))
+        gather.append([0] * (C - c) + row[:c] + [0] * (T - n) + row[c:])
+        mask.append([0] * (C - c) + [1] * c + [0] * (T - n) + [1] * n)
+        slots.append([sink_slot] * (T - n) + row[c:])
+        positions.append([0] * (T - n) + list(range(c, L)))
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-    return BatchLayout(t(slots), t(gather), t(mask), t(positions), S - T)
+    return BatchLayout(t(slots), t(gather), t(mask), t(positions), C)
 
 
 class PagedView:

@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.rope import rope_inv_freq
-from minillm.weights import _check_names_and_shapes, _open_gguf, gguf_to_hf_name, unpermute_qk
+from minillm.weights import _check_names_and_shapes, _open_gguf, hf_rows
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -261,6 +260,16 @@ def _quantize_embedding(model: nn.Module, weight: torch.Tensor, kernel: str) -> 
         model.lm_head = head
 
 
+def quantize_linear(linear: nn.Linear, mode: str | None, group_size: int = 32, name: str = "linear",
+                    kernel: str = "auto") -> nn.Module:
+    """The one factory of quantized layers: the layer itself (mode None), Int8Linear or Int4Linear."""
+    if mode is None:
+        return linear
+    if mode == "int8":
+        return Int8Linear.from_linear(linear, name=name, kernel=kernel)
+    return Int4Linear.from_linear(linear, group_size, name, kernel)
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32, kernel: str = "auto") -> nn.Module:
     """Replace a CausalLM's linears (q/k/v/o, gate/up/down, lm head) by Int8Linear or Int4Linear, in place.
@@ -281,15 +290,10 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, kernel: st
     if mode == "int4" and model.lm_head is not None:
         check_group_size(model.lm_head.in_features, group_size, "lm_head")
 
-    def make(linear: nn.Linear, name: str) -> nn.Module:
-        if mode == "int8":
-            return Int8Linear.from_linear(linear, name=name, kernel=kernel)
-        return Int4Linear.from_linear(linear, group_size, name, kernel)
-
     for name, parent, attr in layers:
-        setattr(parent, attr, make(getattr(parent, attr), name))
+        setattr(parent, attr, quantize_linear(getattr(parent, attr), mode, group_size, name, kernel))
     if model.lm_head is not None:
-        model.lm_head = make(model.lm_head, "lm_head")
+        model.lm_head = quantize_linear(model.lm_head, mode, group_size, "lm_head", kernel)
     _quantize_embedding(model, model.model.embed_tokens.weight, kernel)
     return model
 
@@ -383,12 +387,11 @@ def load_gguf_quantized(path: str | Path, kernel: str = "auto") -> nn.Module:
     The file is checked by minillm.weights first; F32/F16/BF16 tensors load as float32; the
     embedding becomes int8 rows, shared with a tied head. Other block types: ValueError."""
     path = Path(path)
-    config, shapes, _ = _open_gguf(path)  # every count, offset and block size checked
+    config, shapes, infos = _open_gguf(path)  # every count, offset and block size checked
     model = _check_names_and_shapes(config, shapes, str(path))  # on the meta device: no memory yet
     dense, embed = {}, None
-    for t in gguf.GGUFReader(path).tensors:
-        name, qtype = gguf_to_hf_name(t.name), t.tensor_type.name
-        shape = shapes[name]
+    for name, t in infos:
+        qtype, shape = t.tensor_type.name, shapes[name]
         if qtype in GGUF_BLOCKS:
             w = torch.from_numpy(t.data.copy()).reshape(shape[0], -1)  # (rows, bytes per row)
         elif qtype in ("F32", "F16", "BF16"):
@@ -396,9 +399,7 @@ def load_gguf_quantized(path: str | Path, kernel: str = "auto") -> nn.Module:
         else:
             raise ValueError(f"{path}: tensor {t.name} is {qtype}; kept quantized: {', '.join(GGUF_BLOCKS)}; "
                              "float: F32, F16, BF16 (load it with minillm.weights.from_gguf instead)")
-        if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            w = unpermute_qk(w, heads)  # whole rows move: blocks never straddle rows
+        w = hf_rows(config, name, w)  # whole rows move: blocks never straddle rows
         if name == "model.embed_tokens.weight":
             embed = (w, qtype, shape)
         elif qtype in GGUF_BLOCKS and len(shape) == 2:
@@ -410,7 +411,7 @@ def load_gguf_quantized(path: str | Path, kernel: str = "auto") -> nn.Module:
     embed = GGUF_DEQUANTIZE[qtype](w, shape) if qtype in GGUF_BLOCKS else w
     model.load_state_dict(dense, strict=False, assign=True)  # norms (and float linears) replace meta tensors
     _quantize_embedding(model, embed, kernel)  # int8 rows, re-quantized; a tied head shares them
-    model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    model.reset_rope("cpu")  # built on the meta device
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not still_meta, f"tensors never loaded: {still_meta}"
     return model.eval()

@@ -67,12 +67,21 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, check: bool = True) -> Tensor:
     """Rotate every pair (i, i + D/2) of x by its angle: x * cos + rotate_half(x) * sin.
 
     x: (B, H, T, D) queries or keys; cos, sin: (B, T, D) or (1, T, D) from rope_cos_sin.
-    Returns (B, H, T, D) in x's dtype.
+    Returns (B, H, T, D) in x's dtype. check=False skips the shape checks (the model's layers:
+    their shapes were fixed once, at the model's entry).
     """
+    if check:
+        _check_rope_shapes(x, cos, sin)
+    cos = cos[:, None].to(x.dtype)  # (B, T, D) -> (B, 1, T, D): the same angles for every head
+    sin = sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def _check_rope_shapes(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     if x.ndim != 4 or cos.ndim != 3 or cos.shape != sin.shape:
         raise ValueError(
             f"apply_rope: expected x (B, H, T, D) and cos, sin (B, T, D), got x {tuple(x.shape)}, "
@@ -84,9 +93,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             f"apply_rope: x {tuple(x.shape)} = (B, H, T, D) needs cos, sin of shape ({B} or 1, {T}, {D}), "
             f"got {tuple(cos.shape)}"
         )
-    cos = cos[:, None].to(x.dtype)  # (B, T, D) -> (B, 1, T, D): the same angles for every head
-    sin = sin[:, None].to(x.dtype)
-    return x * cos + rotate_half(x) * sin
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -140,18 +146,3 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = 
         f"rope_scaling type {rope_type!r} is not supported; supported types: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)} (or rope_scaling None)"
     )
-
-
-class RotaryEmbedding(torch.nn.Module):
-    """inv_freq from a config (head_dim, rope_theta, rope_scaling); forward(positions) -> (cos, sin)."""
-
-    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None = None):
-        super().__init__()
-        self.head_dim, self.rope_theta, self.rope_scaling = head_dim, rope_theta, rope_scaling
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta, rope_scaling), persistent=False)
-
-    def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        inv_freq = self.inv_freq
-        if inv_freq.dtype != torch.float32:  # the module was cast: never use rounded speeds
-            inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling).to(inv_freq.device)
-        return rope_cos_sin(positions, inv_freq, dtype)

@@ -27,14 +27,24 @@ from typing import Callable, Sequence
 
 import torch
 
+from minillm.devices import on_host
+
 
 def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+    """Type and shape always; the values (NaN, +inf, a row all -inf) where the logits are on the CPU.
+
+    Reading values back from a GPU would stall it once per token, so there only type and shape
+    are checked: the values come from the model, not from a request."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"{name} must be a floating-point torch.Tensor, got {type(logits).__name__}"
                         + (f" of dtype {logits.dtype}" if isinstance(logits, torch.Tensor) else ""))
     if logits.ndim != 2 or logits.shape[-1] == 0:
         raise ValueError(f"{name} must have shape (B, V) with V >= 1, got {tuple(logits.shape)}")
+    if not on_host(logits):
+        return
     row_max = logits.amax(dim=-1)  # (B,): one pass finds all three; NaN wins a max, then +inf
+    if bool(torch.isfinite(row_max).all()):
+        return  # the common case: one test; the three below only name what went wrong
     if torch.isnan(row_max).any():
         raise ValueError(f"{name} contain NaN")
     if torch.isposinf(row_max).any():
@@ -139,9 +149,10 @@ def apply_penalties(
         _check("prompt_lengths", f"{len(prompt_lengths)} entries", len(prompt_lengths) == B, f"one per row ({B})")
     out = logits.clone()
     for b, ids in enumerate(token_ids):
-        ids = torch.as_tensor(list(ids), dtype=torch.long, device=logits.device)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
-            raise ValueError(f"token_ids[{b}] must be in [0, {V}), got min {int(ids.min())} max {int(ids.max())}")
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= V):  # checked in Python, before the ids go to the device
+            raise ValueError(f"token_ids[{b}] must be in [0, {V}), got min {min(ids)} max {max(ids)}")
+        ids = torch.as_tensor(ids, dtype=torch.long, device=logits.device)
         if repetition_penalty != 1.0 and ids.numel():
             seen = ids.unique()
             z = out[b, seen]

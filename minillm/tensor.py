@@ -408,22 +408,6 @@ Tensor.contiguous = contiguous
 Tensor.T = property(lambda t: transpose(t, -2, -1))
 
 
-def pick_device(prefer: str | None = None) -> torch.device:
-    """CUDA if available, then Apple's MPS, then the CPU; `prefer` ("cuda", "mps", "cpu") forces one."""
-    available = {
-        "cuda": torch.cuda.is_available(),
-        "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
-        "cpu": True,
-    }
-    if prefer is not None:
-        if prefer not in available:
-            raise ValueError(f"pick_device: prefer must be one of {sorted(available)}, got {prefer!r}")
-        if not available[prefer]:
-            raise ValueError(f"pick_device: {prefer} was requested but is not available on this machine")
-        return torch.device(prefer)
-    return torch.device(next(name for name, ok in available.items() if ok))
-
-
 def weight_bytes(n_params: int, dtype: torch.dtype) -> int:
     """Bytes to hold n_params weights of a floating or integer torch dtype."""
     if not isinstance(dtype, torch.dtype):

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from gguf import GGUFReader  # memory-maps a file; Tokenizer.from_gguf reads only its metadata
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+
+from minillm.gguf_file import read_gguf
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -288,12 +289,7 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The byte-level BPE tokenizer ('gpt2' model) stored in a GGUF file's metadata."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        try:
-            meta = {k: f.contents() for k, f in GGUFReader(path).fields.items() if k.startswith("tokenizer.")}
-        except (ValueError, OSError, IndexError, KeyError) as exc:
-            raise ValueError(f"{path}: cannot read GGUF metadata ({exc})") from exc
+        meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")

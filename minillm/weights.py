@@ -30,13 +30,9 @@ import gguf
 import torch
 from gguf.quants import dequantize
 
+from minillm.devices import default_dtype, pick_device
+from minillm.gguf_file import WeightsError, read_gguf
 from minillm.model import CausalLM, ModelConfig, load_weights
-from minillm.rope import rope_inv_freq
-from minillm.tensor import pick_device
-
-
-class WeightsError(ValueError):
-    """A weights file or folder that cannot be loaded; the message names the file, tensor and cause."""
 
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -119,17 +115,10 @@ def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
     return config
 
 
-def _read_gguf(path: Path):
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError) as exc:  # gguf's parser on a bad file
-        raise WeightsError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-
-
-def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator[tuple[str, torch.Tensor]]]:
-    """Check a GGUF file; return its config, {HF name: shape} and an iterator of (HF name, fp32 tensor)."""
+def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], list[tuple[str, gguf.ReaderTensor]]]:
+    """Check a GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read yet."""
     path = Path(path)
-    reader = _read_gguf(path)
+    reader = read_gguf(path)
     config = gguf_config(reader, path)
     size, shapes, infos = path.stat().st_size, {}, []
     for t in reader.tensors:
@@ -153,23 +142,22 @@ def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]
         shapes[name] = shape
         infos.append((name, t))
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in infos:
-            values = dequantize(t.data, t.tensor_type)  # float32, (rows, row length)
-            w = torch.from_numpy(values if values.flags.writeable else values.copy()).reshape(shapes[name])
-            if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-                w = unpermute_qk(w, heads)
-            yield name, w
-
-    return config, shapes, tensors()
+    return config, shapes, infos
 
 
-def default_dtype(device: str | torch.device) -> torch.dtype:
-    """float32 on CPU (and MPS); bfloat16 on CUDA, float16 where bfloat16 is not supported."""
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+def hf_rows(config: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
+    """A GGUF tensor's rows in Hugging Face's order: llama.cpp permuted a llama model's q and k rows."""
+    if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        return unpermute_qk(w, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+    return w
+
+
+def _gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor), one at a time: dequantized, reshaped, rows in HF order."""
+    for name, t in infos:
+        values = dequantize(t.data, t.tensor_type)  # float32, (rows, row length)
+        w = torch.from_numpy(values if values.flags.writeable else values.copy()).reshape(shapes[name])
+        yield name, hf_rows(config, name, w)
 
 
 def _check_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> CausalLM:
@@ -191,7 +179,7 @@ def _check_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> C
 def _build(config: ModelConfig, shapes: dict, tensors: Iterator, dtype: torch.dtype, device, source: str) -> CausalLM:
     model = _check_names_and_shapes(config, shapes, source)
     model = model.to(dtype=dtype).to_empty(device=device)  # allocated once, uninitialized
-    model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    model.reset_rope()  # to_empty() left inv_freq uninitialised
     params, copied = model.state_dict(), 0
     with torch.no_grad():
         for name, tensor in tensors:
@@ -204,15 +192,15 @@ def _build(config: ModelConfig, shapes: dict, tensors: Iterator, dtype: torch.dt
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a GGUF file: its config and a float32 state dict with Hugging Face names (checked against the model)."""
-    config, shapes, tensors = _open_gguf(path)
+    config, shapes, infos = _open_gguf(path)
     _check_names_and_shapes(config, shapes, str(path))
-    return config, dict(tensors)
+    return config, dict(_gguf_tensors(config, shapes, infos))
 
 
 def from_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     """A CausalLM from a GGUF file (llama, qwen2, qwen3), dequantized to `dtype` on `device`."""
-    config, shapes, tensors = _open_gguf(path)
-    return _build(config, shapes, tensors, dtype, torch.device(device), str(path))
+    config, shapes, infos = _open_gguf(path)
+    return _build(config, shapes, _gguf_tensors(config, shapes, infos), dtype, torch.device(device), str(path))
 
 
 SAFETENSORS_DTYPES = {

@@ -1,5 +1,7 @@
-"""Shared by every test: the header that ties a run to the machine it ran on, a compile cache
-per kernel set, and the real model loaded once per run."""
+"""Shared by every test: the data paths, the real model loaded once per run, the greedy helper,
+the header that ties a run to the machine it ran on, and a compile cache per kernel set.
+
+Tests import the paths and the helper with `from conftest import DATA, greedy_by_teacher_forcing`."""
 
 from __future__ import annotations
 
@@ -16,6 +18,20 @@ import torch
 from minillm.embedded import embedded_gguf_path
 from minillm.tokenizer import Tokenizer
 from minillm.weights import from_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "data"  # reference logits and tokens from transformers (tools/make_reference_data.py)
+TINY = ("tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama")  # random 4-layer checkpoints
+
+
+@torch.no_grad()
+def greedy_by_teacher_forcing(model, prompt: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+    """The greedy choice at each of len(tokens) steps, from one forward over prompt + tokens.
+
+    Attention is causal, so the logits at position p see only tokens 0..p: exactly the logits a
+    step-by-step greedy run computes at that step, if the tokens before were the same."""
+    logits = model(torch.cat([prompt, tokens])[None])[0]  # (T + n, V)
+    return logits[len(prompt) - 1 : -1].argmax(-1).tolist()
 
 
 def cpu_summary() -> str:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from minillm import bench
+from minillm import bench, roofline
 
 QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1"]
 
@@ -110,7 +110,7 @@ def test_a_variant_that_cannot_be_built_is_reported_not_dropped(monkeypatch):
         return model
 
     monkeypatch.setattr(bench, "build_variant", no_int_kernels)
-    monkeypatch.setattr(bench.Int4Linear, "from_linear", classmethod(lambda cls, *a, **k: no_int_kernels(0, "int", 0)))
+    monkeypatch.setattr(roofline.Int4Linear, "from_linear", classmethod(lambda cls, *a, **k: no_int_kernels(0, "int", 0)))
     result = bench.run_benchmark(bench.parse_args(["decode", *QUICK, "--variants", "readable", "fast-int4"]))
     assert result["skipped"]["fast-int4"] == "skipped: RuntimeError: no packed kernels here (test)"
     assert result["skipped"]["ceiling-int4"] == "skipped: RuntimeError: no packed kernels here (test)"

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import gguf
 import pytest
 
+from conftest import ROOT
 from minillm.embedded import embedded_gguf_path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

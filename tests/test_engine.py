@@ -2,19 +2,17 @@
 
 import gc
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import DATA
 from minillm.embedded import embedded_gguf_path
 from minillm.engine import Engine
 from minillm.generate import generate
 from minillm.model import from_folder
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
-
-DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +54,19 @@ def test_shared_prefix_with_prefix_caching_equals_one_at_a_time(tiny, tok):
     out = engine.generate(prompts, max_new_tokens=8, eos_token_ids=())
     assert [r["token_ids"] for r in out] == alone(tiny, tok, prompts, [8] * 6)
     assert engine.manager.num_free_blocks == 128
+
+
+@pytest.mark.parametrize("max_prefill_tokens", [4096, 1], ids=["grouped", "one-per-forward"])
+def test_prefix_shared_within_one_step_is_computed_before_it_is_read(tiny, tok, max_prefill_tokens):
+    """Prompts admitted together: the first makes the shared blocks findable at once, but prefill
+    batches run longest first, so a longer prompt reusing them must wait for the next step
+    (found by comparing SmolLM2's engine run with transformers' greedy tokens)."""
+    system = list(range(10, 58))  # 48 shared tokens: 3 full blocks of 16
+    prompts = [system + [100, 101], system + list(range(120, 190)), system[:20]]  # 50, 118 and 20 tokens
+    engine = Engine(tiny, tok, num_blocks=64, max_prefill_tokens=max_prefill_tokens)
+    out = engine.generate(prompts, max_new_tokens=6, eos_token_ids=())
+    assert [r["token_ids"] for r in out] == alone(tiny, tok, prompts, [6] * 3)
+    assert engine.manager.hits >= 3  # the second prompt still reused the shared blocks
 
 
 def test_sampled_requests_keep_their_own_seeds(tiny, tok):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm import attention, check, kv_cache, layers, model, paged_cache, quant, rope, sampling, tensor
+from conftest import ROOT
+from minillm import attention, check, check_model, kv_cache, layers, model, paged_cache, quant, rope, sampling, tensor
 
-ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 
@@ -50,7 +50,7 @@ def _calls(ns: dict) -> dict:
     T = tensor.Tensor  # the package's: the notebook's own Tensor.from_list needs its contiguous_strides stub
     x4 = torch.randn(1, 2, 3, 4)
     cos = sin = torch.ones(1, 3, 4)
-    cfg = check._tiny_config()
+    cfg = check_model._tiny_config()
     c, s = torch.ones(1, 3, cfg.head_dim), torch.zeros(1, 3, cfg.head_dim)
     h = torch.randn(1, 3, cfg.hidden_size)
     mask = torch.ones(3, 3, dtype=torch.bool).tril()
@@ -287,7 +287,7 @@ def gather_whole_blocks(cache, block_table, length):
 
 
 def layout_left_aligned(manager, seq_ids, T, device=None):
-    right = paged_cache.batch_layout(manager, seq_ids, T, device)
+    right = paged_cache.batch_layout(manager, seq_ids, T, device=device)
     lengths = [manager.num_tokens(s) for s in seq_ids]
     S = max(lengths)
     gather = torch.tensor([[manager.slot(s, p) for p in range(L)] + [0] * (S - L) for s, L in zip(seq_ids, lengths)])

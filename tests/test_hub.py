@@ -1,17 +1,16 @@
 """The hub path end to end, offline: a fake hub on 127.0.0.1 reached through HF_ENDPOINT."""
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from fake_hub import FakeHub
+from conftest import DATA
 from minillm.weights import WeightsError, download, load_model
 from tolerance import assert_logits_close
 
-DATA = Path(__file__).resolve().parent.parent / "data"
 REPO_ID = "minillm-tests/tiny-qwen3"
 
 

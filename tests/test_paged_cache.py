@@ -1,7 +1,5 @@
 """The paged KV cache equals the dense one; the BlockManager's bookkeeping holds under random use."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -9,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from safetensors.torch import load_file
 
+from conftest import DATA, TINY
 from minillm.kv_cache import make_cache
 from minillm.model import from_folder
 from minillm.paged_cache import (
@@ -22,9 +21,6 @@ from minillm.paged_cache import (
     paged_forward,
 )
 from tolerance import assert_logits_close
-
-DATA = Path(__file__).resolve().parent.parent / "data"
-FIXTURES = ["tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama"]
 
 
 def dense_logits(model, ids, tokens):
@@ -62,25 +58,23 @@ def qwen3():
     return from_folder(DATA / "tiny-qwen3")
 
 
-@pytest.mark.parametrize("name", FIXTURES)
-def test_paged_batched_decode_equals_dense_and_transformers(name):
+@pytest.mark.parametrize("name", TINY)
+def test_paged_batched_decode_equals_dense(name):
     model = from_folder(DATA / name)
     ref = load_file(DATA / name / "reference.safetensors")
     prompts = [ref[f"input_ids_{i}"] for i in range(3)]  # 1, 9 and 80 tokens: rows of different lengths
     tokens, steps = paged_greedy(model, prompts, 32)
     for i, ids in enumerate(prompts):
-        assert tokens[i] == ref[f"greedy_{i}"].tolist()
         want = dense_logits(model, ids, tokens[i])
         assert want.argmax(-1).tolist() == tokens[i]
         assert_logits_close(steps[i], want)
 
 
-def test_smollm2_paged_equals_dense_and_transformers(smollm2):
+def test_smollm2_paged_equals_dense(smollm2):
     model = smollm2[0]
     ref = load_file(DATA / "smollm2" / "reference.safetensors")
     ids, n = ref["prompt_ids_1"], 16
     tokens, steps = paged_greedy(model, [ids], n)
-    assert tokens[0] == ref["greedy_1"][:n].tolist()
     assert_logits_close(steps[0], dense_logits(model, ids, tokens[0]))
 
 
@@ -105,7 +99,7 @@ def test_gather_reference_equals_batched_gather():
     lengths = [5, 16, 33, 70, 1, 17]
     for i, n in enumerate(lengths):
         manager.allocate(i, torch.randint(0, 50, (n,), generator=g).tolist())
-    layout = batch_layout(manager, list(range(len(lengths))), T=1)
+    layout = batch_layout(manager, list(range(len(lengths))), new_tokens=1)
     pool.k.normal_(generator=g)
     pool.v.normal_(generator=g)
     k_new, v_new = torch.randn(len(lengths), 2, 1, 8, generator=g), torch.randn(len(lengths), 2, 1, 8, generator=g)
@@ -229,8 +223,12 @@ def test_errors():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0)
     m.allocate("x", [1, 2, 3])
-    with pytest.raises(ValueError, match="T <= every sequence's length"):
+    with pytest.raises(ValueError, match=r"1 <= new tokens <= length .* got new_tokens 4, lengths \[3\]"):
         batch_layout(m, ["x"], 4)
+    m.allocate("y", [4, 5, 6, 7])
+    with pytest.raises(ValueError, match=r"different new-token counts \[1, 2\] need a sink_slot"):
+        batch_layout(m, ["x", "y"], [1, 2])
+    m.free("y")
     layout = batch_layout(m, ["x"], 1)
     with pytest.raises(ValueError, match=r"expected pos 2 and k, v \(B, Hkv, T, D\) = \(1, 2, 1, 8\)"):
         PagedView(PagedKVCache(4, 16, 2, 8), layout).update(2, torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))

@@ -12,7 +12,6 @@ import copy
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import DATA, ROOT
 from minillm.api import load
 from minillm.embedded import embedded_gguf_path
 from minillm.evaluate import forced_choices, greedy_agreement, kl_divergence, perplexity
@@ -45,9 +45,6 @@ from minillm.quant import (
     unpack_int4,
 )
 from tolerance import assert_logits_close, top2_margin
-
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "data"
 
 
 def weight(N=96, K=128, seed=0):

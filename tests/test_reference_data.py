@@ -17,12 +17,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from conftest import DATA, ROOT, TINY
 from minillm.weights import sha256_file
 from tolerance import SMOLLM2_REL, TINY_REL, assert_logits_close, logits_tolerance, top2_margin
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "data"
-TINY = ["tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama"]
 GREEDY_TOKENS = 32
 NOT_IN_MANIFEST = {"manifest.json", "README.md"}
 

@@ -8,7 +8,6 @@ the comparisons can fail.
 
 import itertools
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from conftest import DATA
 from minillm.sampling import (
     SampleResult,
     SamplingParams,
@@ -40,7 +40,6 @@ from minillm.sampling import (
     typical_filter,
 )
 
-DATA = Path(__file__).resolve().parent.parent / "data"
 NO_IDS = torch.zeros(1, 1, dtype=torch.long)  # the warpers ignore input_ids
 
 

@@ -19,7 +19,6 @@ from minillm.tensor import (
     mul,
     narrow,
     permute,
-    pick_device,
     reshape,
     select,
     transpose,
@@ -199,12 +198,6 @@ def test_layout_reading_outside_storage_is_rejected():
         Tensor.from_list([[1, 2], [3]])
 
 
-def test_pick_device_and_weight_bytes():
-    device = pick_device()
-    expected = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
-    assert device.type == expected
-    assert pick_device("cpu").type == "cpu"
-    with pytest.raises(ValueError, match="prefer must be one of"):
-        pick_device("tpu")
+def test_weight_bytes():
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
         assert weight_bytes(1000, dtype) == torch.empty(1000, dtype=dtype).nbytes

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from pathlib import Path
 
 import jinja2
 import pytest
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, normalizers
 
+from conftest import ROOT
 from minillm.embedded import embedded_gguf_path
 from minillm.tokenizer import (
     QWEN_ADDED_TOKENS,
@@ -32,7 +32,6 @@ from minillm.tokenizer import (
     unspell,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = json.loads((ROOT / "data/smollm2/reference.json").read_text(encoding="utf-8"))
 
 CORPUS = [

@@ -32,15 +32,15 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tool, whether run or loaded by path
+from nbexport import DIRECTIVE, EXPORT, module_texts  # the export markup has one home
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _BEGIN = re.compile(r"^(\s*)### BEGIN SOLUTION\s*$")
 _END = re.compile(r"^\s*### END SOLUTION\s*$")
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
 _CLASS = re.compile(r"^(\s*)class\s+(\w+)")
-_DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+(\S+)\s*$")
-_EXPORT = re.compile(r"^#\|\s*export[is]?(?:\s+(\S+))?\s*$")  # `#| export` or `#| export MODULE`
-_DIRECTIVE = re.compile(r"^#\|")
 
 
 class ExerciseError(Exception):
@@ -119,13 +119,7 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
     """The exercise version of a reference notebook, or None if it has no solution markers."""
     nb = json.loads(notebook.read_text(encoding="utf-8"))
     rel = notebook.relative_to(root).as_posix()
-    modules = set()  # the modules this notebook exports: the exercise defines those names itself
-    for cell in nb.get("cells", []):
-        if cell.get("cell_type") == "code":
-            for line in _source(cell).splitlines():
-                m = _DEFAULT_EXP.match(line) or _EXPORT.match(line)
-                if m and m.group(1):
-                    modules.add(m.group(1))
+    modules = set(module_texts(notebook, root))  # what this notebook exports: the exercise defines those names itself
     own_import = (re.compile(rf"^from minillm\.({'|'.join(map(re.escape, sorted(modules)))}) import [\w, ]+$")
                   if modules else None)
     cells: list[dict] = []
@@ -136,8 +130,8 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
             cells.append({"cell_type": cell["cell_type"], "metadata": {}, "source": src.splitlines(keepends=True)})
             continue
         lines = src.splitlines()
-        exported = any(_EXPORT.match(line) for line in lines)
-        lines = [line for line in lines if not _DIRECTIVE.match(line)]
+        exported = any(EXPORT.match(line) for line in lines)
+        lines = [line for line in lines if not DIRECTIVE.match(line)]
         lines = [line for line in lines if not (own_import and own_import.match(line))]
         src, stubs = stub_cell("\n".join(lines).strip("\n"), f"{rel} cell {n}")
         if not src.strip():

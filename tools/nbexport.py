@@ -23,10 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+(\S+)\s*$")
-_EXPORT = re.compile(r"^#\|\s*export[is]?(?:\s+(\S+))?\s*$")  # nbdev's export, exporti, exports [module]
-_DIRECTIVE = re.compile(r"^#\|")
-_SOLUTION = re.compile(r"^\s*### (BEGIN|END) SOLUTION\s*$")
+# The markup, also read by tools/make_exercises.py.
+DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+(\S+)\s*$")
+EXPORT = re.compile(r"^#\|\s*export[is]?(?:\s+(\S+))?\s*$")  # nbdev's export, exporti, exports [module]
+DIRECTIVE = re.compile(r"^#\|")
+SOLUTION = re.compile(r"^\s*### (BEGIN|END) SOLUTION\s*$")
 HEADER_PREFIX = "# Generated from "
 
 
@@ -51,20 +52,20 @@ def module_texts(notebook: Path, root: Path = ROOT) -> dict[str, str]:
         if cell.get("cell_type") != "code":
             continue
         lines = _cell_source(cell).splitlines()
-        directives = [line for line in lines if _DIRECTIVE.match(line)]
+        directives = [line for line in lines if DIRECTIVE.match(line)]
         for line in directives:
-            match = _DEFAULT_EXP.match(line)
+            match = DEFAULT_EXP.match(line)
             if match:
                 if default is not None and default != match.group(1):
                     raise ExportError(
                         f"{notebook}: two default_exp directives ({default!r} and {match.group(1)!r})"
                     )
                 default = match.group(1)
-        targets = {match.group(1) for match in map(_EXPORT.match, directives) if match}
+        targets = {match.group(1) for match in map(EXPORT.match, directives) if match}
         if len(targets) > 1:
             raise ExportError(f"{notebook}: a cell exported to two modules: {sorted(map(str, targets))}")
         if targets:
-            kept = [line for line in lines if not _DIRECTIVE.match(line) and not _SOLUTION.match(line)]
+            kept = [line for line in lines if not DIRECTIVE.match(line) and not SOLUTION.match(line)]
             code = "\n".join(kept).strip("\n")
             if code:
                 exported.append((targets.pop(), code))

@@ -1,0 +1,70 @@
+"""The benchmark's engine section (plumbing): continuous batching against a padded batch.
+
+minillm's engine (notebook 12) serves requests of mixed lengths as they come; transformers'
+generate runs them as one left-padded batch until the longest is done. Both are timed on the
+same requests and counted in useful tokens: each request's own max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import torch
+
+from minillm.engine import Engine
+from minillm.fast import FastCausalLM
+
+
+def mixed_requests(n: int, vocab: int, seed: int = 0, prompt_range=(8, 96), new_range=(8, 64)):
+    """n (prompt ids, max_new_tokens) pairs of mixed lengths, reproducible."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*new_range))
+            for _ in range(n)]
+
+
+def transformers_padded_batch(hf_model, requests, pad_id: int) -> float:
+    """Seconds for transformers' generate on all requests as one left-padded batch, greedy.
+
+    A padded batch runs until its longest request is done; only each request's own
+    max_new_tokens count as useful tokens (the same tokens minillm's engine produces)."""
+    T = max(len(p) for p, _ in requests)
+    ids = torch.full((len(requests), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(requests), T, dtype=torch.long)
+    for b, (p, _) in enumerate(requests):
+        ids[b, T - len(p):] = torch.tensor(p)
+        mask[b, T - len(p):] = 1
+    longest = max(m for _, m in requests)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                          do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
+    return time.perf_counter() - t0
+
+
+def minillm_engine(model, tokenizer, requests) -> float:
+    blocks = sum(-(-(len(p) + m) // 16) for p, m in requests)  # every request's KV at once, in 16-token blocks
+    engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
+                    enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    out = engine.generate([p for p, _ in requests], max_new_tokens=[m for _, m in requests], eos_token_ids=())
+    seconds = time.perf_counter() - t0
+    assert [len(r["token_ids"]) for r in out] == [m for _, m in requests]
+    return seconds
+
+
+def engine_rows(sides, args, row) -> None:
+    """Rows of the engine section: for each --requests count, readable and fast against transformers."""
+    prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
+    models = {"readable": sides.model, "fast": FastCausalLM(sides.model).eval()}
+    for n in args.requests:
+        requests = mixed_requests(n, sides.model.config.vocab_size, seed=n, prompt_range=prompt_range,
+                                  new_range=new_range)
+        useful = sum(m for _, m in requests)
+        theirs = useful / transformers_padded_batch(sides.hf, requests, pad_id=0)
+        for variant, model in models.items():
+            row("engine", variant, "engine", "tok/s", useful / minillm_engine(model, sides.tokenizer, requests),
+                theirs, n=n)
+    del models
+    gc.collect()

@@ -1,0 +1,97 @@
+"""The harness of the exercise checks (plumbing): run a check, compare tensors, explain a failure.
+
+A check body raises CheckFailed with the feedback a student sees; `run_check` prints PASS or
+FAIL with it; `compare` names the first wrong element and, when the result matches a known
+mistake, that mistake's hint. The checks themselves are minillm/check_model.py (notebooks 01-05)
+and minillm/check_serving.py (08-13); minillm/check.py is the front door.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Callable
+
+import torch
+
+
+class CheckFailed(Exception):
+    """A check's assertion failed; the message is the feedback shown to the student."""
+
+
+def fail(message: str, hint: str | None = None):
+    raise CheckFailed(message + (f"\n    hint: {hint}" if hint else ""))
+
+
+def run_check(name: str, body: Callable[[], None]) -> bool:
+    """Run one check body: print PASS, or FAIL with feedback; return whether it passed."""
+    try:
+        with torch.no_grad():
+            body()
+    except CheckFailed as exc:
+        print(f"FAIL {name}: {exc}")
+        return False
+    except NotImplementedError as exc:
+        print(f"FAIL {name}: not implemented yet (NotImplementedError: {exc})")
+        return False
+    except Exception as exc:  # the student's code crashed: show where
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" (in {frames[-1].name}, line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
+        print(f"FAIL {name}: your code raised {type(exc).__name__}: {exc}{where}")
+        return False
+    print(f"PASS {name}")
+    return True
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-6) -> bool:
+    """Whether a matches b in shape and values (dtype-agnostic; used to recognise known mistakes)."""
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+        return False
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        return bool((a.bool() == b.bool()).all())
+    return torch.allclose(a.double(), b.double(), atol=atol, rtol=0, equal_nan=True)
+
+
+def compare(what: str, got, expected: torch.Tensor, atol: float = 1e-6, rtol: float = 0.0,
+            mistakes: list[tuple[str, torch.Tensor]] = (), hint: str | None = None) -> None:
+    """Fail unless got matches expected; name the first wrong element and the likely cause.
+
+    mistakes: (hint, what that mistake would have produced); the first one that got matches
+    becomes the hint. `hint` is the fallback.
+    """
+    if not isinstance(got, torch.Tensor):
+        fail(f"{what}: expected a torch.Tensor, got {type(got).__name__}")
+    if got.shape != expected.shape:
+        for h, wrong in mistakes:
+            if isinstance(wrong, torch.Tensor) and got.shape == wrong.shape and got.shape != expected.shape:
+                fail(f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}", h)
+        fail(f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}", hint)
+    if got.dtype != expected.dtype:
+        fail(f"{what}: dtype {got.dtype}, expected {expected.dtype}",
+             "return the input's dtype" if expected.dtype != torch.bool else "return a bool tensor (True = may attend)")
+    if expected.dtype == torch.bool:
+        bad = got != expected
+    else:
+        g, e = got.double(), expected.double()
+        bad = ~torch.isclose(g, e, atol=atol, rtol=rtol, equal_nan=False)
+    if not bad.any():
+        return
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    n_bad = int(bad.sum())
+    message = (f"{what}: {n_bad} of {bad.numel()} elements wrong; first at index {idx}: "
+               f"expected {expected[idx].item():.6g}, got {got[idx].item():.6g}")
+    for h, wrong in mistakes:
+        if same_values(got, wrong, atol=max(atol, 1e-6)):
+            fail(message, h)
+    fail(message, hint)
+
+
+def expect_raises(what: str, exc_type: type[Exception], call: Callable[[], object], hint: str) -> None:
+    try:
+        call()
+    except exc_type:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        fail(f"{what}: raised {type(exc).__name__} ({exc}), expected {exc_type.__name__}", hint)
+    fail(f"{what}: did not raise {exc_type.__name__}", hint)

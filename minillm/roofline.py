@@ -1,0 +1,81 @@
+"""The benchmark's yardsticks (plumbing, not a lesson): weight bytes and the matrix-vector ceiling.
+
+Decoding one token at batch 1 reads every weight once, so its speed is bounded by how fast this
+machine multiplies a (1, K) vector by every weight matrix of the model: `ceilings` times exactly
+that, in the model dtype and through quant's Int8Linear / Int4Linear, and minillm.bench reports
+each decode variant as a fraction of its ceiling. Notebook 15 explains the roofline.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+from torch import nn
+
+from minillm.quant import Int4Linear, Int8Linear
+
+
+def weight_mib(module: nn.Module) -> float:
+    """Parameters, buffers and tensor attributes of every submodule, each storage counted once."""
+    seen, total = set(), 0
+    for m in module.modules():
+        tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False),
+                   *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total / 2**20
+
+
+def weight_shapes(config) -> list[tuple[int, int]]:
+    """(N, K) of every linear one token passes through: q, k, v, o, gate, up, down per layer, lm head."""
+    h, i, D = config.hidden_size, config.intermediate_size, config.head_dim
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    layer = [(H * D, h), (Hkv * D, h), (Hkv * D, h), (h, H * D), (i, h), (i, h), (h, i)]
+    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
+
+
+def matvec_seconds(layers, x_by_k: dict, repeats: int) -> float:
+    """Best of `repeats` passes of one (1, K) matrix-vector product through every layer."""
+    with torch.no_grad():
+        for layer in layers[:8]:
+            layer(x_by_k[layer.in_features])  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for layer in layers:
+                layer(x_by_k[layer.in_features])
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped: dict) -> dict:
+    """{key: {"seconds", "tok_s"}} for the model dtype, int8 and int4; a kind that fails is reported in `skipped`."""
+    shapes = weight_shapes(config)
+    x_by_k = {k: torch.randn(1, k, dtype=dtype) for _, k in shapes}
+    gen = torch.Generator().manual_seed(0)
+
+    def linear(n, k):
+        lin = nn.Linear(k, n, bias=False, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.normal_(0, k**-0.5, generator=gen)
+        return lin
+
+    kinds = {str(dtype).removeprefix("torch."): lambda lin, i: lin,
+             "int8": lambda lin, i: Int8Linear.from_linear(lin, name=f"ceiling.{i}"),
+             "int4": lambda lin, i: Int4Linear.from_linear(lin, group_size=group_size, name=f"ceiling.{i}")}
+    out = {}
+    for key, make in kinds.items():
+        try:
+            layers = [make(linear(n, k), i) for i, (n, k) in enumerate(shapes)]  # one at a time: bounded memory
+            seconds = matvec_seconds(layers, x_by_k, repeats)
+            out[key] = {"seconds": seconds, "tok_s": 1 / seconds}
+        except Exception as e:  # reported, not hidden
+            skipped[f"ceiling-{key}"] = f"skipped: {type(e).__name__}: {e}"
+        layers = None
+        gc.collect()
+    return out
