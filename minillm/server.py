@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.api import LLM
 from minillm.engine import Engine, Output
+from minillm.generate import check_prompt
 from minillm.sampling import SamplingParams
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
@@ -153,16 +154,18 @@ def chat_prompt(llm: LLM, messages) -> list[int]:
         raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
 
 
-def parse_request(body: dict, prompt_ids: list[int], context: int, model_name: str) -> dict:
+def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str) -> dict:
     """Check the request against the context and SamplingParams; the engine's arguments and the options."""
     if body.get("model", model_name) != model_name:
         raise APIError(404, f"the model {body.get('model')!r} does not exist; this server has {model_name!r}",
                        "model", "model_not_found")
     if body.get("n", 1) not in (1, None):
         raise APIError(400, f"n must be 1 (one choice per request), got {body.get('n')!r}", "n")
-    if len(prompt_ids) >= context:
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds {context}",
-                       "messages", "context_length_exceeded")
+    try:  # the prompt rule of every entry point (generate.check_prompt); max_tokens is checked below
+        check_prompt(prompt_ids, 1, context, vocab_size)
+    except ValueError as exc:
+        code = "context_length_exceeded" if len(prompt_ids) >= context else None
+        raise APIError(400, str(exc), "messages", code) from None
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(param)
     if max_tokens is None:
@@ -206,14 +209,126 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
 
 
+class Reply:
+    """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
+
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int):
+        self.chat, self.prompt_tokens = chat, prompt_tokens
+        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                     "object": "chat.completion" if chat else "text_completion",
+                     "created": int(time.time()), "model": model_name}
+        self.chunk_object = self.head["object"] + (".chunk" if chat else "")
+
+    def usage(self, n: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def choice(self, text: str, finish, logprobs=None, delta: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        lp = {"content": logprobs} if logprobs is not None else None
+        return {"index": 0, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
+
+    def whole(self, text: str, finish: str, logprobs, n: int) -> dict:
+        return {**self.head, "choices": [self.choice(text, finish, logprobs)], "usage": self.usage(n)}
+
+    def chunk(self, choices: list, **extra) -> str:
+        return _sse({**self.head, "object": self.chunk_object, "choices": choices, **extra})
+
+
+class InFlight:
+    """Requests between engine.add and their end; past `limit`, a new one is refused (429)."""
+
+    def __init__(self, limit: int):
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {limit!r}")
+        self.limit, self.count = limit, 0
+
+    def check(self) -> None:
+        if self.count >= self.limit:
+            raise APIError(429, f"{self.limit} requests are in flight; retry later", None, "too_many_requests")
+
+
+async def _next_output(queue: asyncio.Queue) -> Output:
+    out = await queue.get()
+    if out.finish_reason == "error":
+        raise APIError(500, out.error or "the engine failed this request", None, "engine_error")
+    return out
+
+
+async def collect_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dict, reply: Reply,
+                         in_flight: InFlight) -> dict:
+    """The whole answer as one JSON object; a cancelled request (the client left) is aborted."""
+    in_flight.count += 1
+    rid, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"])
+    texts, lps, out = [], [], None
+    try:
+        while out is None or not out.finished:
+            out = await _next_output(queue)
+            texts.append(out.text)
+            if out.token_id is not None:
+                lps.append(_token_logprobs(tokenizer, out))
+    finally:  # cancelled before the end: abort frees its blocks
+        in_flight.count -= 1
+        if out is None or not out.finished:
+            engine.abort(rid)
+    return reply.whole("".join(texts), out.finish_reason, lps if req["logprobs"] else None, len(lps))
+
+
+async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dict, reply: Reply,
+                        in_flight: InFlight):
+    """SSE events: a chunk per piece of text, the finish, optionally usage, then [DONE].
+
+    The request starts with the stream: a client gone before it never reaches the engine."""
+    in_flight.count += 1
+    rid, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"])
+    out = None
+    try:
+        if reply.chat:
+            yield reply.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+        n = 0
+        while out is None or not out.finished:
+            out = await _next_output(queue)
+            n += out.token_id is not None
+            lp = [_token_logprobs(tokenizer, out)] if req["logprobs"] and out.token_id is not None else None
+            if out.text or lp:
+                yield reply.chunk([reply.choice(out.text, None, lp, delta=True)])
+            if out.finished:
+                last = reply.choice("", out.finish_reason, None, delta=True)
+                if reply.chat:
+                    last["delta"] = {}
+                yield reply.chunk([last])
+        if req["include_usage"]:
+            yield reply.chunk([], usage=reply.usage(n))
+        yield _sse("[DONE]")
+    except APIError as exc:  # the engine failed it mid-stream: an error event, then the end
+        out = None
+        yield _sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
+        yield _sse("[DONE]")
+    finally:  # the client hung up (cancelled or closed at a yield): abort frees its blocks
+        in_flight.count -= 1
+        if out is None or not out.finished:
+            engine.abort(rid)
+
+
+def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
+    """The prompt ids: the chat template over `messages`, or the text of `prompt`."""
+    if chat:
+        return chat_prompt(llm, body.get("messages"))
+    prompt = body.get("prompt")
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError(400, "prompt must be a non-empty string", "prompt")
+    return llm.tokenizer.encode(prompt)
+
+
 def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, block_size: int = 16,
                max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20) -> FastAPI:
     """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine."""
-    if not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+    in_flight = InFlight(max_in_flight)
     engine = AsyncEngine(Engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs))
     context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)
-    in_flight = [0]
 
     async def lifespan(app):
         engine.start()
@@ -231,93 +346,16 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
     async def http_error(request, exc):  # unknown paths, wrong methods
         return APIError(exc.status_code, str(exc.detail)).response()
 
-    async def next_output(queue: asyncio.Queue) -> Output:
-        out = await queue.get()
-        if out.finish_reason == "error":
-            raise APIError(500, out.error or "the engine failed this request", None, "engine_error")
-        return out
-
     async def complete(request: Request, chat: bool):
-        if in_flight[0] >= max_in_flight:
-            raise APIError(429, f"{max_in_flight} requests are in flight; retry later", None, "too_many_requests")
+        in_flight.check()
         body = await read_json(request, max_body_bytes)
-        if chat:
-            ids = chat_prompt(llm, body.get("messages"))
-        else:
-            prompt = body.get("prompt")
-            prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
-            if not isinstance(prompt, str) or not prompt:
-                raise APIError(400, "prompt must be a non-empty string", "prompt")
-            ids = llm.tokenizer.encode(prompt)
-        req = parse_request(body, ids, context, model_name)
-        name = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        head = {"id": name, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": model_name}
-
-        def usage(n: int) -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-
-        def choice(text: str, finish, logprobs=None, delta: bool = False) -> dict:
-            if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            message = {"content": text} if delta else {"role": "assistant", "content": text}
-            lp = {"content": logprobs} if logprobs is not None else None
-            return {"index": 0, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
-
-        if not req["stream"]:
-            in_flight[0] += 1
-            rid, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"])
-            texts, lps, out = [], [], None
-            try:
-                while out is None or not out.finished:
-                    out = await next_output(queue)
-                    texts.append(out.text)
-                    if out.token_id is not None:
-                        lps.append(_token_logprobs(llm.tokenizer, out))
-            finally:  # cancelled before the end: abort frees its blocks
-                in_flight[0] -= 1
-                if out is None or not out.finished:
-                    engine.abort(rid)
-            finish, n = out.finish_reason, len(lps)
-            return {**head, "choices": [choice("".join(texts), finish, lps if req["logprobs"] else None)],
-                    "usage": usage(n)}
-
-        async def stream():  # the request starts with the stream: a client gone before it never reaches the engine
-            kind = head["object"] + (".chunk" if chat else "")
-            in_flight[0] += 1
-            rid, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"])
-            out = None
-            try:
-                if chat:
-                    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}
-                    yield _sse({**head, "object": kind, "choices": [first]})
-                n = 0
-                while out is None or not out.finished:
-                    out = await next_output(queue)
-                    n += out.token_id is not None
-                    lp = [_token_logprobs(llm.tokenizer, out)] if req["logprobs"] and out.token_id is not None else None
-                    if out.text or lp:
-                        yield _sse({**head, "object": kind, "choices": [choice(out.text, None, lp, delta=True)]})
-                    if out.finished:
-                        last = choice("", out.finish_reason, None, delta=True)
-                        if chat:
-                            last["delta"] = {}
-                        yield _sse({**head, "object": kind, "choices": [last]})
-                if req["include_usage"]:
-                    yield _sse({**head, "object": kind, "choices": [], "usage": usage(n)})
-                yield _sse("[DONE]")
-            except APIError as exc:  # the engine failed it mid-stream: an error event, then the end
-                out = None
-                yield _sse({"error": {"message": exc.message, "type": "server_error", "param": None,
-                                      "code": exc.code}})
-                yield _sse("[DONE]")
-            finally:  # the client hung up (cancelled or closed at a yield): abort frees its blocks
-                in_flight[0] -= 1
-                if out is None or not out.finished:
-                    engine.abort(rid)
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        ids = read_prompt(llm, body, chat)
+        req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name)
+        reply = Reply(chat, model_name, len(ids))
+        if req["stream"]:
+            return StreamingResponse(stream_answer(engine, llm.tokenizer, ids, req, reply, in_flight),
+                                     media_type="text/event-stream")
+        return await collect_answer(engine, llm.tokenizer, ids, req, reply, in_flight)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -336,7 +374,7 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
     async def health():
         sched = engine.engine.scheduler
         return {"status": "ok", "running": len(sched.running), "waiting": len(sched.waiting),
-                "free_blocks": engine.engine.manager.num_free_blocks, "in_flight": in_flight[0]}
+                "free_blocks": engine.engine.manager.num_free_blocks, "in_flight": in_flight.count}
 
     return app
 

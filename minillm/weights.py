@@ -190,13 +190,6 @@ def _build(config: ModelConfig, shapes: dict, tensors: Iterator, dtype: torch.dt
     return model.eval()
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a GGUF file: its config and a float32 state dict with Hugging Face names (checked against the model)."""
-    config, shapes, infos = _open_gguf(path)
-    _check_names_and_shapes(config, shapes, str(path))
-    return config, dict(_gguf_tensors(config, shapes, infos))
-
-
 def from_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     """A CausalLM from a GGUF file (llama, qwen2, qwen3), dequantized to `dtype` on `device`."""
     config, shapes, infos = _open_gguf(path)

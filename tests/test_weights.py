@@ -28,7 +28,6 @@ from minillm.weights import (
     from_gguf,
     gguf_to_hf_name,
     load_folder,
-    load_gguf,
     load_model,
     read_safetensors_header,
     unpermute_qk,
@@ -164,7 +163,8 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_quantized_types_dequantize_to_the_quantized_values(qtype, tmp_path):
-    config, sd = load_gguf(write_gguf("tiny-qwen3", tmp_path / "m.gguf", qtype))
+    model = from_gguf(write_gguf("tiny-qwen3", tmp_path / "m.gguf", qtype))
+    config, sd = model.config, model.state_dict()
     original = load_file(DATA / "tiny-qwen3" / "model.safetensors")
     assert config.head_dim == 32 and config.qk_norm and set(sd) == set(original)
     for name, t in original.items():
@@ -185,12 +185,12 @@ def test_gguf_names():
 
 def test_gguf_unknown_architecture(tmp_path):
     with pytest.raises(WeightsError, match="architecture 'gpt2' is not supported"):
-        load_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", arch="gpt2"))
+        from_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", arch="gpt2"))
 
 
 def test_gguf_missing_metadata_key(tmp_path):
     with pytest.raises(WeightsError, match="'llama.block_count' is missing"):
-        load_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", skip_keys=("block_count",)))
+        from_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", skip_keys=("block_count",)))
 
 
 def test_gguf_block_count_must_match_the_tensors(tmp_path):
@@ -202,17 +202,17 @@ def test_gguf_block_count_must_match_the_tensors(tmp_path):
 def test_gguf_metadata_of_the_wrong_type(tmp_path):
     path = write_gguf("tiny-llama", tmp_path / "m.gguf", skip_keys=("embedding_length",), extra={"llama.embedding_length": "64"})
     with pytest.raises(WeightsError, match="hidden_size must be a positive integer, got '64'"):
-        load_gguf(path)
+        from_gguf(path)
 
 
 def test_gguf_rope_scaling_refused(tmp_path):
     with pytest.raises(WeightsError, match="rope scaling 'yarn'"):
-        load_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", extra={"llama.rope.scaling.type": "yarn"}))
+        from_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", extra={"llama.rope.scaling.type": "yarn"}))
 
 
 def test_gguf_unsupported_quant_type(tmp_path):
     with pytest.raises(WeightsError, match=r"type Q5_0; supported: F32, F16, BF16, Q8_0"):
-        load_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", Q.Q5_0))
+        from_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", Q.Q5_0))
 
 
 @pytest.mark.parametrize("cut", [10, 200, 5000, -100])
@@ -221,14 +221,14 @@ def test_gguf_truncated_or_corrupt(cut, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(good[:cut])
     with pytest.raises(WeightsError, match="bad.gguf"):
-        load_gguf(bad)
+        from_gguf(bad)
 
 
 def test_gguf_bad_magic(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + write_gguf("tiny-llama", tmp_path / "m.gguf").read_bytes()[4:])
     with pytest.raises(WeightsError, match="not a readable GGUF file"):
-        load_gguf(bad)
+        from_gguf(bad)
 
 
 def test_gguf_random_corruption_raises_only_weights_error(tmp_path):
@@ -526,4 +526,4 @@ def test_gguf_header_fields_are_bounds_checked(change, message, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(change(good))
     with pytest.raises(WeightsError, match=message):
-        load_gguf(bad)
+        from_gguf(bad)
