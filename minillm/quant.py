@@ -152,14 +152,17 @@ class Int8Linear(nn.Module):
         return cls(*quantize_int8(linear.weight, name), linear.bias, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
-        _check_input(x, self.in_features, self.kernel, "int8")
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.kernel == "reference":
-            return F.linear(x, dequantize_int8(self.qweight, self.scales).to(x.dtype), bias)
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K); bf16: the kernel's fast path
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(torch.bfloat16))  # (M, N)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if bias is None else y + bias
+        try:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            if self.kernel == "reference":
+                return F.linear(x, dequantize_int8(self.qweight, self.scales).to(x.dtype), bias)
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K); bf16: the kernel's fast path
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(torch.bfloat16))  # (M, N)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias
+        except RuntimeError:  # the input is checked only when the kernel fails: no cost per call
+            _check_input(x, self.in_features, self.kernel, "int8")  # a wrong input: say what is wrong
+            raise
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
@@ -202,15 +205,18 @@ class Int4Linear(nn.Module):
         return dequantize_int4(unpack_int4(self.qweight), sz[..., 0], sz[..., 1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
-        _check_input(x, self.in_features, self.kernel, "int4")
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.kernel == "reference":
-            return F.linear(x, self.dequantize().to(x.dtype), bias)
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K); fp32 input is ~25x slower
-        sz = self.scales_and_zeros.to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, sz)  # (M, N)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if bias is None else y + bias
+        try:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            if self.kernel == "reference":
+                return F.linear(x, self.dequantize().to(x.dtype), bias)
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K); fp32 input is ~25x slower
+            sz = self.scales_and_zeros.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, sz)  # (M, N)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias
+        except RuntimeError:  # checked only on failure, as Int8Linear
+            _check_input(x, self.in_features, self.kernel, "int4")
+            raise
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import DATA
-from minillm import attention, rope
+from minillm import attention, quant, rope
 from minillm.fast import FastCausalLM
 from minillm.kv_cache import make_cache
 from minillm.model import from_folder
@@ -72,3 +72,16 @@ def test_layers_do_not_check_their_inputs(monkeypatch):
         model(torch.tensor([[4]]), cache=cache, start_pos=3)
     with pytest.raises(AssertionError, match="per-layer check"):  # the planted check is live for direct calls
         attention.scaled_dot_product_attention(*torch.randn(3, 1, 2, 3, 4))
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_layers_check_their_input_only_when_the_kernel_fails(monkeypatch, quantize):
+    def planted(*args, **kwargs):
+        raise AssertionError("a per-layer check ran")
+
+    fast = FastCausalLM(from_folder(DATA / "tiny-qwen3"), quantize=quantize)
+    monkeypatch.setattr(quant, "_check_input", planted)
+    with torch.no_grad():
+        fast(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(AssertionError, match="per-layer check"):  # a wrong width still reaches the check
+        fast.layers[0].qkv_proj(torch.randn(1, 7))

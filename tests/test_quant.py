@@ -151,6 +151,15 @@ def test_unsupported_kernel_device_and_shapes_list_what_is_supported():
         Int8Linear.from_linear(linear)(torch.randn(2, 32))
 
 
+@pytest.mark.parametrize("kernel", ["reference", "packed"])
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_a_wrong_input_width_is_named_by_every_kernel(cls, kernel):
+    layer = cls.from_linear(nn.Linear(64, 32), kernel=kernel)
+    for x in (torch.randn(2, 32), torch.randn(3, 5, 96), torch.randn(1, 128)):  # 128: as many numbers as 2 x 64
+        with pytest.raises(ValueError, match=rf"input has {x.shape[-1]} features, expected K=64"):
+            layer(x)
+
+
 # ---------------------------------------------------------------- GGUF blocks
 
 
