@@ -152,12 +152,20 @@ class Engine:
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> int:
         """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
+        return self.submit(self.make_request(prompt_ids, params, max_new_tokens, stop, eos_token_ids))
+
+    def make_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
+                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> Sequence:
+        """A checked request, not yet queued: touches no engine state, so any thread may call it."""
         context = self.scheduler.max_model_len
         prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, self.model.config.vocab_size)
         params = params or SamplingParams(temperature=0)
         eos = self.tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
         text = TextStream(self.tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
-        seq = Sequence(next(self._ids), prompt_ids, params, text, make_generator(params.seed, self.device))
+        return Sequence(next(self._ids), prompt_ids, params, text, make_generator(params.seed, self.device))
+
+    def submit(self, seq: Sequence) -> int:
+        """Queue a request made by make_request; returns its id."""
         self.sequences[seq.id] = seq
         self.scheduler.add(seq)
         return seq.id
@@ -247,7 +255,7 @@ class Engine:
         try:
             pick = sample(logits, first.params, first.generator, token_ids=[s.token_ids for s in seqs],
                           prompt_lengths=[len(s.prompt_ids) for s in seqs])
-        except ValueError as exc:  # NaN logits, ...: this request fails, the others go on
+        except (ValueError, RuntimeError) as exc:  # NaN logits, multinomial on NaN...: this one fails, not the others
             if len(seqs) > 1:
                 return [out for b, seq in enumerate(seqs) for out in self._sample_rows([seq], logits[b : b + 1])]
             self._finish(first, "error", str(exc))

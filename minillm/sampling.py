@@ -70,7 +70,7 @@ def apply_temperature(logits: torch.Tensor, t: float) -> torch.Tensor:
     """logits / t for t > 0 (t < 1 sharpens, t > 1 flattens). Temperature 0 is greedy: see `sample`."""
     _check_logits(logits)
     _check("temperature", t, _is_real(t) and t > 0, "> 0 here (temperature 0 means greedy, handled by sample)")
-    return logits / t
+    return (logits / t).clamp(max=torch.finfo(logits.dtype).max)  # an overflow: the largest float, not +inf
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -92,7 +92,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # (B, V): mass of the more likely tokens
-    remove_sorted = mass_before >= p  # the first token has mass_before 0 < p: always kept
+    remove_sorted = mass_before >= p
+    remove_sorted[:, 0] = False  # the most likely token always stays (a p below float32's range rounds to 0)
     remove = remove_sorted.scatter(-1, order, remove_sorted)  # back to vocabulary order
     return logits.masked_fill(remove, float("-inf"))
 
@@ -162,8 +163,13 @@ def apply_penalties(
             _check(f"prompt_lengths[{b}]", start, _is_int(start) and 0 <= start <= len(ids), f"an int in [0, {len(ids)}]")
             generated = ids[start:]
             counts = torch.bincount(generated, minlength=V).to(out.dtype)  # (V,)
-            out[b] -= presence_penalty * (counts > 0).to(out.dtype) + frequency_penalty * counts
+            seen = counts > 0  # only seen tokens are touched: a huge penalty gives -inf there, never inf * 0 = NaN
+            out[b] -= torch.where(seen, presence_penalty + frequency_penalty * counts, torch.zeros_like(counts))
+            out[b].clamp_(max=torch.finfo(out.dtype).max)  # a huge negative penalty: the largest float, not +inf
     return out
+
+
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy
 
 
 @dataclass(frozen=True)
@@ -189,15 +195,18 @@ class SamplingParams:
         _check("typical_p", self.typical_p, _is_real(self.typical_p) and 0 < self.typical_p <= 1, "in (0, 1]")
         _check("repetition_penalty", self.repetition_penalty,
                _is_real(self.repetition_penalty) and self.repetition_penalty > 0, "> 0")
-        _check("presence_penalty", self.presence_penalty, _is_real(self.presence_penalty), "a finite number")
-        _check("frequency_penalty", self.frequency_penalty, _is_real(self.frequency_penalty), "a finite number")
-        _check("seed", self.seed, self.seed is None or _is_int(self.seed), "an int or None")
+        for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range (and vLLM's)
+            value = getattr(self, name)
+            _check(name, value, _is_real(value) and -2 <= value <= 2, "in [-2, 2]")
+        _check("seed", self.seed, self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+               "an int in [-2**63, 2**64) or None (what torch.Generator takes)")
         _check("logprobs", self.logprobs, self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
                "an int >= 0 or None")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below GREEDY_BELOW: dividing by a tinier one overflows float32 (as vLLM does)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -265,10 +265,12 @@ def test_greedy_is_argmax_and_uses_no_random_numbers():
     assert torch.equal(result.tokens, z.argmax(-1))
     assert torch.equal(g.get_state(), state)
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
-    # greedy still applies penalties: ban the argmax by a huge frequency penalty
-    ids = [[int(i)] for i in z.argmax(-1)]
-    penalised = sample(z, SamplingParams(temperature=0, frequency_penalty=1e4), token_ids=ids).tokens
-    assert not torch.equal(penalised, z.argmax(-1))
+    # greedy still applies penalties: a seen argmax 1.5 above the next token loses to it
+    z2 = torch.tensor([[3.0, 1.5, 0.0], [0.0, 1.0, 2.5]])
+    penalised = sample(z2, SamplingParams(temperature=0, frequency_penalty=2.0), token_ids=[[0], [2]]).tokens
+    assert penalised.tolist() == [1, 1] and z2.argmax(-1).tolist() == [0, 2]
+    # a temperature too small to divide by in float32 counts as greedy
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-5).greedy
     # process_logits for greedy keeps exactly the argmax
     assert torch.equal(torch.isfinite(process_logits(z, SamplingParams(temperature=0))).sum(-1), torch.ones(6, dtype=torch.long))
 
@@ -318,7 +320,8 @@ def test_logprobs_are_log_softmax_of_unprocessed_logits():
     ("min_p", -0.1), ("min_p", 1.5), ("typical_p", 0.0), ("typical_p", 1.2),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", float("nan")),
     ("presence_penalty", float("nan")), ("frequency_penalty", float("inf")),
-    ("seed", 1.5), ("logprobs", -1),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("presence_penalty", 1e39),
+    ("seed", 1.5), ("seed", 2**64), ("seed", -2**63 - 1), ("logprobs", -1),
 ])
 def test_invalid_sampling_params_name_field_and_value(field, value):
     with pytest.raises(ValueError, match=field) as info:
@@ -478,3 +481,16 @@ def test_beam_search_cases_exercise_early_endings(hf_llama):
         lengths.append([len(ids) for ids, _ in beam_search(step, prompt, num_beams, 8, eos, length_penalty)])
     assert sum(any(n < 8 for n in ls) and any(n == 8 for n in ls) for ls in lengths) >= 2  # mixed lengths
     assert sum(max(ls) < 8 for ls in lengths) >= 2  # the whole search stopped early
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1e-300), dict(temperature=1e-6), dict(top_p=1e-300), dict(temperature=0.7, top_p=1e-300),
+    dict(temperature=1e30), dict(presence_penalty=2, frequency_penalty=-2, temperature=1e-5),
+    dict(presence_penalty=-2, frequency_penalty=2, min_p=0.9, temperature=2.0),
+], ids=str)
+def test_extreme_but_valid_params_sample_a_token(params):
+    """Each value was once a NaN in torch.multinomial (found by probing the server): valid, so a token."""
+    z = random_logits(1) * 30
+    ids = [list(range(0, 50, 3)) + [int(z[b].argmax())] * 5 for b in range(z.shape[0])]
+    tokens = sample(z, SamplingParams(**params, seed=0), make_generator(0), token_ids=ids).tokens
+    assert tokens.shape == (z.shape[0],) and ((0 <= tokens) & (tokens < z.shape[1])).all()

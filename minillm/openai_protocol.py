@@ -1,0 +1,206 @@
+# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""The OpenAI HTTP protocol of minillm's server: request checks, response shapes, error JSON.
+
+Built in notebooks/14_server.ipynb. Every field of a request is checked here, by hand, so each
+bad value gets OpenAI's error JSON naming its parameter (the table in notebook 14 lists the
+fields and their ranges); the server (minillm/server.py) runs what passes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from minillm.api import LLM
+from minillm.engine import Output
+from minillm.generate import check_prompt
+from minillm.sampling import SamplingParams
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI error JSON with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object; 413 past `limit` bytes (counted while reading), 400 if not JSON."""
+    body, size = bytearray(), 0
+    async for chunk in request.stream():  # read to the end (the client can then read our answer), keep <= limit
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+    if size > limit:
+        raise APIError(413, f"the request body has {size} bytes; the limit is {limit}")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise APIError(400, "the body's JSON is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _text(value, what: str, param: str) -> str:
+    """A string the tokenizer can encode: 400 for anything else, or a lone UTF-16 surrogate."""
+    if not isinstance(value, str):
+        raise APIError(400, f"{what} must be a string, got {type(value).__name__}", param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{what} holds a lone surrogate (not valid Unicode text)", param) from None
+    return value
+
+
+def chat_prompt(llm: LLM, messages) -> list[int]:
+    """Token ids of chat messages through the model's chat template; 400 naming what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise APIError(400, f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            parts = [p for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(_text(p.get("text"), f"messages[{i}].content[].text", "messages") for p in parts)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages")})
+    try:
+        return llm.encode_chat(clean)
+    except Exception as exc:  # the template may reject a conversation (e.g. roles out of order)
+        raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
+                  chat: bool = True) -> dict:
+    """Check the request against the context, OpenAI's ranges and SamplingParams; the engine's
+    arguments and the options. The table in notebook 14 lists every field and its range."""
+    if body.get("model", model_name) != model_name:
+        raise APIError(404, f"the model {body.get('model')!r} does not exist; this server has {model_name!r}",
+                       "model", "model_not_found")
+    if body.get("n", 1) not in (1, None):
+        raise APIError(400, f"n must be 1 (one choice per request), got {body.get('n')!r}", "n")
+    try:  # the prompt rule of every entry point (generate.check_prompt); max_tokens is checked below
+        check_prompt(prompt_ids, 1, context, vocab_size)
+    except ValueError as exc:
+        code = "context_length_exceeded" if len(prompt_ids) >= context else None
+        raise APIError(400, str(exc), "messages" if chat else "prompt", code) from None
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(param)
+    if max_tokens is None:
+        max_tokens = context - len(prompt_ids)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise APIError(400, f"{param} must be an integer >= 1, got {max_tokens!r}", param)
+    if len(prompt_ids) + max_tokens > context:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and {param} is {max_tokens}: "
+                       f"{len(prompt_ids) + max_tokens} tokens, but the context holds {context}",
+                       param, "context_length_exceeded")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "stop must be a string or a list of strings", "stop")
+    if not chat and body.get("logprobs") is not None:
+        raise APIError(400, "logprobs is supported on /v1/chat/completions only", "logprobs")
+    want_logprobs = _flag(body, "logprobs")
+    top = body.get("top_logprobs") or 0
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+        raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
+    knobs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    t = knobs.get("temperature", 1.0)
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and not 0 <= t <= 2:  # the rest: SamplingParams
+        raise APIError(400, f"temperature must be in [0, 2], got {t!r}", "temperature")
+    try:
+        params = SamplingParams(**knobs, logprobs=top if want_logprobs else None)
+    except (ValueError, TypeError) as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), field if field in SAMPLING_FIELDS else None) from None
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
+    return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": _flag(body, "stream"),
+            "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs}
+
+
+def token_logprobs(tok, out: Output) -> dict:
+    def entry(tid: int, logprob: float) -> dict:
+        raw = tok.token_bytes(tid)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    top = [entry(t, lp) for t, lp in (out.top_logprobs or [])]
+    return {**entry(out.token_id, out.logprob), "top_logprobs": top}
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
+
+
+class Reply:
+    """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
+
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int):
+        self.chat, self.prompt_tokens = chat, prompt_tokens
+        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                     "object": "chat.completion" if chat else "text_completion",
+                     "created": int(time.time()), "model": model_name}
+        self.chunk_object = self.head["object"] + (".chunk" if chat else "")
+
+    def usage(self, n: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def choice(self, text: str, finish, logprobs=None, delta: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        lp = {"content": logprobs} if logprobs is not None else None
+        return {"index": 0, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
+
+    def whole(self, text: str, finish: str, logprobs, n: int) -> dict:
+        return {**self.head, "choices": [self.choice(text, finish, logprobs)], "usage": self.usage(n)}
+
+    def chunk(self, choices: list, **extra) -> str:
+        return sse({**self.head, "object": self.chunk_object, "choices": choices, **extra})
+
+
+def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
+    """The prompt ids: the chat template over `messages`, or the text of `prompt`."""
+    if chat:
+        return chat_prompt(llm, body.get("messages"))
+    prompt = body.get("prompt")
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError(400, "prompt must be a non-empty string", "prompt")
+    return llm.tokenizer.encode(_text(prompt, "prompt", "prompt"))
