@@ -244,7 +244,7 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
         streaming = False
         try:
             body = await read_json(request, max_body_bytes)
-            ids = read_prompt(llm, body, chat)
+            ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
             req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat)
             reply = Reply(chat, model_name, len(ids))
             if not req["stream"]:

@@ -23,16 +23,13 @@ import importlib.util
 import json
 import operator
 from collections.abc import Iterable, Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from minillm.chat_template import render_chat
 from minillm.gguf_file import read_gguf
 
 
@@ -351,47 +348,6 @@ class Tokenizer:
             eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
         return cls(backend, chat_template=template, bos_token=_token_str(config.get("bos_token")), eos_token=eos_token,
                    eos_token_ids=[i for i in eos_ids if i is not None], source=str(folder))
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
-def check_messages(messages: Any) -> None:
-    """ValueError naming the first message that is not a dict with str 'role' and 'content'."""
-    if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages is empty")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                got = "missing" if key not in message else f"{type(message[key]).__name__}"
-                raise ValueError(f"messages[{i}]['{key}'] must be a str, got {got}")
-
-
-def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-    """Render a Jinja chat template in jinja2's sandbox, as transformers' apply_chat_template does."""
-    if not isinstance(template, str):
-        raise TypeError(f"template must be a str, got {type(template).__name__}")
-    check_messages(messages)
-    return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
 
 class StreamDecoder:

@@ -7,6 +7,7 @@ Timing cases slow the engine down on purpose (a step that sleeps) instead of wai
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from minillm.api import load
+from minillm.api import LLM, load
 from minillm.engine import Engine
 from minillm.sampling import SamplingParams
 from minillm.server import BackgroundServer, create_app
@@ -139,6 +140,26 @@ def test_health_answers_while_a_long_step_runs(live, monkeypatch):
         times.append(time.perf_counter() - t0)
     assert max(times) < 0.1, times
     worker.join()
+
+
+def test_a_slow_chat_template_does_not_freeze_the_server(llm):
+    """The template renders off the event loop, within its time limit, and the request gets a 400."""
+    tokenizer = copy.copy(llm.tokenizer)
+    tokenizer.chat_template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    background = BackgroundServer(create_app(LLM(llm.model, tokenizer), model_name=MODEL))
+    try:
+        with httpx.Client(base_url=background.url, timeout=30) as client:
+            result = {}
+            worker = threading.Thread(target=lambda: result.update(r=chat(client)), daemon=True)
+            worker.start()
+            time.sleep(0.5)  # rendering now
+            t0 = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            assert time.perf_counter() - t0 < 0.1
+            worker.join()
+            assert result["r"].status_code == 400 and "ran for more than" in result["r"].json()["error"]["message"]
+    finally:
+        background.stop()
 
 
 # ---------------------------------------------------------------- 4. a non-streaming client that hangs up

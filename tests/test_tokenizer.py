@@ -4,6 +4,7 @@ data/smollm2/reference.json; bad input; planted bugs that the comparisons must c
 from __future__ import annotations
 
 import json
+import time
 import unicodedata
 
 import jinja2
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, normalizers
 
 from conftest import ROOT
+from minillm.chat_template import TEMPLATE_SECONDS, render_chat
 from minillm.embedded import embedded_gguf_path
 from minillm.tokenizer import (
     QWEN_ADDED_TOKENS,
@@ -26,7 +28,6 @@ from minillm.tokenizer import (
     load_tiktoken_ranks,
     merges_from_ranks,
     qwen_tiktoken_path,
-    render_chat,
     spell,
     split_pre_tokenizer,
     unspell,
@@ -344,3 +345,20 @@ def test_template_kwargs_like_qwen3_enable_thinking(smol, enable_thinking):
                                       add_generation_prompt=True, **kwargs)
     assert render_chat(QWEN3_STYLE_TEMPLATE, messages, add_generation_prompt=True, **kwargs) == expected
     assert ("<think>" in expected) == (enable_thinking is False)
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran for more than"),
+    ("{% for i in range(100000) %}{{ range(100000) | list | length }}{% endfor %}", "ran for more than"),
+    ("{{ lipsum(n=10**6) }}", "lipsum"),
+    ("{{ 'a' * 10**9 }}", "builds a value of 1000000000 items"),
+    ("{{ 10**9 * ['x'] }}", "builds a value"),
+    ("{{ 2 ** 100000000 }}", "power"),
+    ("{% for i in range(100000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "output passed 1000000 characters"),
+], ids=["nested loops", "calls in a loop", "lipsum", "string times", "list times", "power", "output size"])
+def test_hostile_templates_end_quickly_with_a_template_error(template, message):
+    """From an adversarial probe: each once ran past 20 s (or ate memory); now each is refused."""
+    t0 = time.monotonic()
+    with pytest.raises(jinja2.exceptions.TemplateError, match=message):
+        render_chat(template, [{"role": "user", "content": "hi"}])
+    assert time.monotonic() - t0 < TEMPLATE_SECONDS + 1.0
