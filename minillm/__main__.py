@@ -75,6 +75,9 @@ def cmd_info(args) -> int:
 
 
 def _params(args):
+    """The sampling flags, checked before the model loads (a load takes seconds)."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, seed=args.seed)
 

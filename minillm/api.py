@@ -85,6 +85,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     path = Path(source)
+    tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # a bad one fails first
     if quantize == "gguf":
         if path.suffix != ".gguf" or device not in (None, "auto", "cpu") or dtype not in (None, torch.float32):
             raise ValueError(f"quantize='gguf' keeps a .gguf file's blocks and runs on cpu in float32; "
@@ -98,7 +99,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
                 net.compile()
         elif quantize is not None:
             net = quantize_model(net, quantize, group_size)
-    return LLM(net, load_tokenizer(source))
+    return LLM(net, tokenizer if tokenizer is not None else load_tokenizer(source))  # a hub id: cached by now
 
 
 def load_tokenizer(source: str | Path) -> Tokenizer:

@@ -5,6 +5,7 @@ traceback."""
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 
 import gguf
@@ -96,6 +97,18 @@ def test_generate_bad_input(args, message, tmp_path):
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
+    (["--seed", str(2**70)], "seed must be an int in [-2**63, 2**64)"),
+    (["--model", "data/tiny-llama"], "tokenizer not found"),  # weights there, no tokenizer: found before loading
+], ids=["max-new-tokens", "seed", "no tokenizer"])
+def test_bad_flags_fail_before_the_model_loads(args, message):
+    t0 = time.monotonic()
+    result = run_cli("generate", "hi", "--device", "cpu", *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - t0 < 15  # an interpreter start and imports, no weights
 
 
 def test_prompt_longer_than_the_context_names_both_numbers():

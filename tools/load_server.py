@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"max {max(values):6.2f} s  mean {statistics.mean(values):6.2f} s")
         tokens = sum(r["tokens"] for r in ok)
         print(f"  {tokens} tokens generated, {tokens / wall:.1f} tokens/s aggregate")
-    return 0 if len(results) == args.requests else 1
+    return 0 if len(ok) == args.requests else 1  # any error fails the run
 
 
 if __name__ == "__main__":
