@@ -18,11 +18,12 @@ from minillm.devices import parse_device, parse_dtype
 from minillm.embedded import embedded_gguf_path
 from minillm.fast import FastCausalLM
 from minillm.generate import Completion, generate, stream
+from minillm.hub import download
 from minillm.model import CausalLM
 from minillm.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
-from minillm.weights import download, load_model
+from minillm.weights import load_model
 
 
 class LLM:

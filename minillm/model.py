@@ -32,6 +32,7 @@ from minillm.layers import MLP, RMSNorm
 from minillm.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+MAX_CONTEXT = 2**24  # positions; the longest real contexts (1M-10M tokens) fit
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -66,9 +67,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
+    def __post_init__(self):
+        """Every config, from config.json or a GGUF file, is checked here: sizes are positive ints
+        (a head_dim of 1e-30, "llama" or NaN would fail deep inside torch.empty), and the context
+        stays within what a position table can hold."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"config: head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.max_position_embeddings > MAX_CONTEXT:
+            raise ValueError(f"config: max_position_embeddings {self.max_position_embeddings} is over {MAX_CONTEXT}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"config: {name} must be a positive number, got {value!r}")
+
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> ModelConfig:
         """Build from a config.json dict; errors name the field and `source` (e.g. the file)."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{source}: a model config must be a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -91,6 +112,13 @@ class ModelConfig:
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         heads = cfg["num_attention_heads"]
+        try:
+            return cls._from_fields(cfg, model_type, heads, rope_theta, rope_scaling)
+        except (TypeError, ValueError, ArithmeticError) as exc:  # a field of the wrong type or value
+            raise ValueError(f"{source}: {exc}".replace("config: ", "")) from None
+
+    @classmethod
+    def _from_fields(cls, cfg: dict, model_type: str, heads, rope_theta, rope_scaling) -> ModelConfig:
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -99,10 +127,10 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,  # HF: absent means no GQA
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,  # HF rule for llama/qwen2
+            head_dim=cfg.get("head_dim") or _ratio(cfg["hidden_size"], heads),  # HF rule for llama/qwen2
             max_position_embeddings=cfg["max_position_embeddings"],
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope_theta=float(rope_theta),
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
@@ -123,7 +151,15 @@ class ModelConfig:
             raise FileNotFoundError(f"model config not found: {path}") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deeply") from None
         return cls.from_dict(cfg, source=str(path))
+
+
+def _ratio(hidden_size, heads):
+    """hidden_size // heads when both are positive ints, else hidden_size (the check then names the bad field)."""
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden_size, heads))
+    return hidden_size // heads if ok else hidden_size
 
 
 class Attention(nn.Module):

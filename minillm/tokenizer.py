@@ -303,7 +303,10 @@ class Tokenizer:
         merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
         if any(len(m) != 2 for m in merges):
             raise ValueError(f"{path}: tokenizer.ggml.merges must be 'left right' pairs")
-        backend = _backend(vocab, merges, PRE_TOKENIZERS[pre]())
+        try:
+            backend = _backend(vocab, merges, PRE_TOKENIZERS[pre]())
+        except Exception as exc:  # the tokenizers library raises a bare Exception on a merge of unknown tokens
+            raise ValueError(f"{path}: tokenizer.ggml.merges does not fit the vocabulary ({exc})") from None
         types = meta.get("tokenizer.ggml.token_type") or []
         # token_type 3 = control (special, skipped by skip_special_tokens), 4 = user-defined (matched whole)
         control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3]

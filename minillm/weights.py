@@ -16,12 +16,9 @@ References:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import mmap
-import os
-import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +29,7 @@ from gguf.quants import dequantize
 
 from minillm.devices import default_dtype, pick_device
 from minillm.gguf_file import WeightsError, read_gguf
+from minillm.hub import REPO_ID, download
 from minillm.model import CausalLM, ModelConfig, load_weights
 
 
@@ -141,6 +139,14 @@ def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]
             )
         shapes[name] = shape
         infos.append((name, t))
+    # The data is the tensors back to back, each padded to the alignment: an edited type or offset
+    # would make two share bytes, or skip some (a float tensor relabelled F16 reads half of itself).
+    end, previous, align = reader.data_offset, "the start of the data", reader.alignment
+    for begin, n_bytes, name in sorted((t.data_offset, int(t.n_bytes), t.name) for _, t in infos):
+        if begin != end:
+            raise WeightsError(f"{path}: tensor {name} starts at byte {begin}, but {previous} ends at {end} "
+                               f"({'overlap' if begin < end else 'a gap'}: an edited type or offset?)")
+        end, previous = -(-(begin + n_bytes) // align) * align, name  # the next one starts aligned
 
     return config, shapes, infos
 
@@ -227,6 +233,8 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
         header = json.loads(raw, object_pairs_hook=_json_object)
     except (UnicodeDecodeError, ValueError) as exc:
         raise WeightsError(f"{path}: header is not valid JSON ({exc})") from exc
+    except RecursionError:  # json's parser recurses once per level: __metadata__ nested 1,000 deep
+        raise WeightsError(f"{path}: header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
@@ -275,6 +283,8 @@ def _shards_from_index(index: Path) -> dict[str, Path]:
         data = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_json_object)
     except (UnicodeDecodeError, ValueError) as exc:
         raise WeightsError(f"{index}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise WeightsError(f"{index}: JSON nested too deeply") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise WeightsError(f"{index}: no 'weight_map' object mapping tensor names to shard files")
@@ -316,63 +326,7 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
     return where
 
 
-HUB_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "model.safetensors", "model-*.safetensors", "model.safetensors.index.json"]
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def sha256_file(path: str | Path) -> str:
-    """The sha256 hex digest of a file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_sha256(folder: str | Path) -> None:
-    """Check each weight file of a hub snapshot against the sha256 its cache blob is named after.
-
-    A mismatch deletes the bad blob (so the next load downloads it again) and raises WeightsError.
-    """
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        blob = file.resolve()  # snapshots/<commit>/x.safetensors -> blobs/<sha256>
-        if not re.fullmatch(r"[0-9a-f]{64}", blob.name):
-            continue  # not a hub cache blob (e.g. a copied folder): nothing to compare with
-        digest = sha256_file(blob)
-        if digest != blob.name:
-            blob.unlink()
-            file.unlink()
-            raise WeightsError(f"{file}: sha256 {digest} differs from the hub's {blob.name}; "
-                               "the download is corrupt and was deleted, load again to re-download")
-
-
-def download(repo_id: str, revision: str | None = None) -> Path:
-    """The folder of a hub model: from the local cache if there, else downloaded (HF_ENDPOINT, HF_HOME)."""
-    # imported on use: huggingface_hub reads HF_HOME and HF_ENDPOINT when first imported
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    # read the variables now, not when huggingface_hub was imported, so setting them later works
-    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    hf_home = os.environ.get("HF_HOME")
-    cache_dir = os.environ.get("HF_HUB_CACHE") or (os.path.join(hf_home, "hub") if hf_home else None)
-    where = dict(revision=revision, allow_patterns=HUB_PATTERNS, cache_dir=cache_dir)
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True, **where))
-    except LocalEntryNotFoundError:
-        pass  # not cached: download
-    try:
-        folder = Path(snapshot_download(repo_id, endpoint=endpoint, **where))
-    except (HfHubHTTPError, OSError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise WeightsError(
-            f"{repo_id}: not in the local cache and not downloadable from {endpoint} ({first_line}). "
-            "Check the id, set HF_ENDPOINT to a reachable mirror (and unset HF_HUB_OFFLINE), "
-            "or pass a local folder or .gguf file"
-        ) from None
-    verify_sha256(folder)
-    return folder
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> CausalLM:
@@ -387,6 +341,10 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
     config = ModelConfig.from_json(folder / "config.json")
     headers = {file: read_safetensors_header(file) for file in sorted(set(where.values()))}
     shapes = {name: tuple(headers[file][name]["shape"]) for name, file in where.items()}
+    for name, file in where.items():  # same bytes, another meaning: a float relabelled U32 would load as garbage
+        if headers[file][name]["dtype"] not in FLOAT_DTYPES:
+            raise WeightsError(f"{file}: tensor {name} has dtype {headers[file][name]['dtype']}; "
+                               f"weights are floating point ({', '.join(FLOAT_DTYPES)})")
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file, header in headers.items():
@@ -436,6 +394,6 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, device: str 
         return from_gguf(path, dtype or default_dtype(device), device)
     if path.exists():  # a folder (or a file load_folder explains, such as a pickle checkpoint)
         return load_folder(path, dtype, device)
-    if isinstance(model, str) and _REPO_ID.fullmatch(model):
+    if isinstance(model, str) and REPO_ID.fullmatch(model):
         return load_folder(download(model), dtype, device)
     raise FileNotFoundError(f"{model}: not a .gguf file, a model folder or a hub id like Qwen/Qwen2.5-0.5B-Instruct")

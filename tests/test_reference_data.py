@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import DATA, ROOT, TINY
-from minillm.weights import sha256_file
+from minillm.hub import sha256_file
 from tolerance import SMOLLM2_REL, TINY_REL, assert_logits_close, logits_tolerance, top2_margin
 
 GREEDY_TOKENS = 32

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
 
 LAYERS = {  # bottom to top: a module imports from its own layer or the ones below, never above
     "primitives": {"tensor", "devices", "gguf_file", "chat_template", "attention", "rope", "layers", "sampling", "tokenizer", "embedded"},
-    "model and storage": {"model", "kv_cache", "paged_cache", "weights", "quant"},
+    "model and storage": {"model", "kv_cache", "paged_cache", "hub", "weights", "quant"},
     "runtime": {"fast", "generate", "engine", "evaluate"},
     "front doors": {"api", "server", "openai_protocol", "__main__", "bench", "bench_engine", "roofline", "check", "check_harness", "check_model", "check_serving",
                     "__init__"},
@@ -27,8 +27,8 @@ LEVEL = {module: level for level, modules in enumerate(LAYERS.values()) for modu
 IMPORTED_ON_USE = {
     ("bench", "transformers"),  # the peer, installed for tests and benchmarks only
     ("bench", "transformers.utils"),
-    ("weights", "huggingface_hub"),  # reads HF_HOME / HF_ENDPOINT when first imported
-    ("weights", "huggingface_hub.errors"),
+    ("hub", "huggingface_hub"),  # reads HF_HOME / HF_ENDPOINT when first imported
+    ("hub", "huggingface_hub.errors"),
 }
 
 MAX_LINES = 450

@@ -362,3 +362,14 @@ def test_hostile_templates_end_quickly_with_a_template_error(template, message):
     with pytest.raises(jinja2.exceptions.TemplateError, match=message):
         render_chat(template, [{"role": "user", "content": "hi"}])
     assert time.monotonic() - t0 < TEMPLATE_SECONDS + 1.0
+
+
+def test_a_merge_outside_the_vocabulary_is_named(tmp_path):
+    """From the adversarial probe: a corrupted merge list escaped as tokenizers' bare Exception."""
+    raw = embedded_gguf_path().read_bytes()
+    merge = (3).to_bytes(8, "little") + b"i n"  # a length-prefixed GGUF string: the merge "i n"
+    assert raw.count(merge) == 1
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(raw.replace(merge, (3).to_bytes(8, "little") + b"i \x01"))  # \x01: not a byte-level symbol
+    with pytest.raises(ValueError, match="bad.gguf: tokenizer.ggml.merges does not fit the vocabulary"):
+        Tokenizer.from_gguf(bad)

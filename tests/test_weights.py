@@ -342,6 +342,9 @@ DAMAGED = {
     "overlapping offsets": (shifted(ORDER[1], -4), f"{ORDER[1]} at bytes .* overlaps {ORDER[0]}"),
     "gap between tensors": (shifted(ORDER[1], 4), f"{ORDER[1]} at bytes .* leaves a gap after {ORDER[0]}"),
     "trailing bytes": (GOOD + b"\0" * 8, "8 bytes after the last tensor"),
+    "metadata nested 100,000 deep": (with_header(None, raw=json.dumps(HEADER)[:-1].encode() + b', "__metadata__": '
+                                                 + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}"),
+                                     "nested too deeply"),
 }
 
 
@@ -367,6 +370,39 @@ def test_safetensors_random_corruption_raises_only_weights_error(tmp_path):
             load_folder(tmp_path, device="cpu")
         except WeightsError:
             pass
+
+
+def test_a_float_tensor_relabelled_as_integers_is_refused(tmp_path):
+    """From the adversarial probe: F32 bytes relabelled U32 have the same size and loaded as garbage."""
+    shutil.copy(DATA / "tiny-qwen3" / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(edit(ORDER[0], dtype="U32"))
+    with pytest.raises(WeightsError, match=f"tensor {ORDER[0]} has dtype U32; weights are floating point"):
+        load_folder(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda cfg: [cfg], "a model config must be a JSON object, got list"),
+    (lambda cfg: {**cfg, "head_dim": 1e-30}, "head_dim must be a positive integer, got 1e-30"),
+    (lambda cfg: {**cfg, "head_dim": "llama"}, "head_dim must be a positive integer, got 'llama'"),
+    (lambda cfg: {**cfg, "num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    (lambda cfg: {**cfg, "rms_norm_eps": "x"}, "rms_norm_eps must be a positive number"),
+    (lambda cfg: {**cfg, "max_position_embeddings": 2**31 - 1}, "max_position_embeddings 2147483647 is over"),
+], ids=["a list", "head_dim 1e-30", "head_dim llama", "no heads", "eps a string", "context 2**31-1"])
+def test_a_bad_config_is_refused_naming_the_file_and_field(change, message, tmp_path):
+    """From the adversarial probe: these failed inside torch.empty, or as AttributeError."""
+    cfg = json.loads((DATA / "tiny-llama" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(change(cfg)))
+    shutil.copy(DATA / "tiny-llama" / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=message) as err:
+        load_folder(tmp_path, device="cpu")
+    assert "config.json" in str(err.value)
+
+
+def test_gguf_context_length_beyond_any_position_table_is_refused(tmp_path):
+    path = write_gguf("tiny-llama", tmp_path / "m.gguf", skip_keys=("context_length",),
+                      extra_u32={"llama.context_length": 2**31 - 1})
+    with pytest.raises(WeightsError, match="max_position_embeddings 2147483647 is over"):
+        from_gguf(path)
 
 
 def test_damaged_file_in_folder_is_refused(tmp_path):
@@ -506,6 +542,15 @@ def _mutate_tensor_info(good: bytes, tensor: str, field: str, value: int) -> byt
     return bytes(out)
 
 
+def test_a_quantized_tensor_relabelled_f16_overlaps_its_neighbour(tmp_path):
+    """From the adversarial probe: a Q4_1 tensor relabelled F16 used to load and give NaN logits."""
+    good = write_gguf("tiny-llama", tmp_path / "m.gguf", Q.Q4_1).read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(_mutate_tensor_info(good, "blk.0.attn_q.weight", "type", int(Q.F16)))
+    with pytest.raises(WeightsError, match="blk.0.attn_q.weight|overlap"):
+        from_gguf(bad)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -517,9 +562,11 @@ def _mutate_tensor_info(good: bytes, tensor: str, field: str, value: int) -> byt
         (lambda g: _mutate_tensor_info(g, "output_norm.weight", "offset", 2**40), "bad.gguf: not a readable GGUF"),
         (lambda g: _mutate_tensor_info(g, "output_norm.weight", "offset", 3), "output_norm.weight"),  # misaligned
         (lambda g: _mutate_tensor_info(g, "output_norm.weight", "type", 9999), "not a readable GGUF file"),
+        (lambda g: _mutate_tensor_info(g, "output_norm.weight", "offset", 0), "output_norm.weight .*overlap"),
+        (lambda g: _mutate_tensor_info(g, "blk.0.attn_q.weight", "type", int(Q.F16)), "a gap"),  # F32 read as F16
     ],
     ids=["bad-version", "absurd-tensor-count", "absurd-metadata-count", "zero-dim", "oversized-dim",
-         "offset-past-end", "misaligned-offset", "unknown-type"],
+         "offset-past-end", "misaligned-offset", "unknown-type", "offset-0-overlaps", "f32-relabelled-f16"],
 )
 def test_gguf_header_fields_are_bounds_checked(change, message, tmp_path):
     good = write_gguf("tiny-llama", tmp_path / "m.gguf").read_bytes()

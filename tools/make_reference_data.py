@@ -33,7 +33,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from minillm.weights import sha256_file
+from minillm.hub import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
