@@ -286,7 +286,10 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The byte-level BPE tokenizer ('gpt2' model) stored in a GGUF file's metadata."""
         path = Path(path)
-        meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
+        try:
+            meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
+        except (UnicodeDecodeError, IndexError, TypeError) as exc:  # the values are decoded here, not when opened
+            raise ValueError(f"{path}: tokenizer metadata is unreadable ({type(exc).__name__}: {exc})") from None
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")

@@ -68,7 +68,10 @@ def _meta(reader, key: str, path: Path, default=_MISSING):
         if default is _MISSING:
             raise WeightsError(f"{path}: GGUF metadata key {key!r} is missing")
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except (ValueError, IndexError, TypeError) as exc:  # e.g. a string that is not UTF-8
+        raise WeightsError(f"{path}: GGUF metadata key {key!r} is unreadable ({type(exc).__name__}: {exc})") from None
 
 
 def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
@@ -147,6 +150,8 @@ def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]
             raise WeightsError(f"{path}: tensor {name} starts at byte {begin}, but {previous} ends at {end} "
                                f"({'overlap' if begin < end else 'a gap'}: an edited type or offset?)")
         end, previous = -(-(begin + n_bytes) // align) * align, name  # the next one starts aligned
+    if size - end >= align:  # the last tensor shrank (say F32 relabelled F16): bytes nobody reads
+        raise WeightsError(f"{path}: {size - end} bytes after the last tensor, {previous} (an edited type?)")
 
     return config, shapes, infos
 
@@ -350,7 +355,8 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
         for file, header in headers.items():
             yield from stream_safetensors(file, header)  # views of the memory-mapped file, one at a time
 
-    return _build(config, shapes, tensors(), dtype, device, str(folder))
+    source = str(next(iter(headers))) if len(headers) == 1 else str(folder)  # errors name the file where there is one
+    return _build(config, shapes, tensors(), dtype, device, source)
 
 
 _TORCH_DTYPES = {
