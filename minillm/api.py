@@ -86,11 +86,12 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     path = Path(source)
-    tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # a bad one fails first
+    if quantize == "gguf" and (path.suffix != ".gguf" or device not in (None, "auto", "cpu")
+                               or dtype not in (None, torch.float32)):
+        raise ValueError(f"quantize='gguf' keeps a .gguf file's blocks and runs on cpu in float32; "
+                         f"got model {source}, device {device}, dtype {dtype}")
+    tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # fails before the weights
     if quantize == "gguf":
-        if path.suffix != ".gguf" or device not in (None, "auto", "cpu") or dtype not in (None, torch.float32):
-            raise ValueError(f"quantize='gguf' keeps a .gguf file's blocks and runs on cpu in float32; "
-                             f"got model {source}, device {device}, dtype {dtype}")
         net = load_gguf_quantized(path)
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
