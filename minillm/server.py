@@ -121,7 +121,7 @@ class InFlight:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {limit!r}")
         self.limit, self.count = limit, 0
-        self.lock = threading.Lock()  # a release may come from a finalizer on another thread
+        self.lock = threading.RLock()  # a release may come from a finalizer: another thread, or a GC inside enter()
 
     def enter(self) -> Callable[[], None]:
         with self.lock:
