@@ -375,6 +375,13 @@ def _randomise(module: torch.nn.Module, seed: int = 0) -> None:
         p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.ndim == 1 and p.shape[0] == 8 else 0.0))
 
 
+def _layer_inputs(cfg: ModelConfig, T: int):
+    """x (2, T, h), cos and sin of positions 0..T-1, and the causal mask: one layer's inputs."""
+    x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos, sin = _cos_sin(torch.arange(T), _inv_freq(cfg.head_dim))
+    return x, cos, sin, _causal(T, T, 0)
+
+
 def attention_forward(cls) -> bool:
     """Attention.forward(x, cos, sin, mask, cache, pos): projections, RoPE, GQA attention, o_proj."""
     def body():
@@ -382,10 +389,7 @@ def attention_forward(cls) -> bool:
             cfg = _tiny_config(qk_norm)
             m = cls(cfg)
             _randomise(m)
-            T = 6
-            x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-            cos, sin = _cos_sin(torch.arange(T), _inv_freq(cfg.head_dim))
-            mask = _causal(T, T, 0)
+            x, cos, sin, mask = _layer_inputs(cfg, T=6)
             expected = _ref_attention(m, x, cos, sin, mask)
             name = "Qwen3 (q/k norm)" if qk_norm else "Qwen2 (qkv bias)"
             mistakes = [("apply RoPE to q and k, after splitting the heads", _ref_attention(m, x, cos, sin, mask, rope=False)),
@@ -410,10 +414,7 @@ def decoder_layer_forward(cls) -> bool:
         cfg = _tiny_config()
         layer = cls(cfg)
         _randomise(layer)
-        T = 5
-        x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-        cos, sin = _cos_sin(torch.arange(T), _inv_freq(cfg.head_dim))
-        mask = _causal(T, T, 0)
+        x, cos, sin, mask = _layer_inputs(cfg, T=5)
         attn = lambda y: layer.self_attn(y, cos, sin, mask)
         n1, n2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
         h = x + attn(n1(x))
