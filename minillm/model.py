@@ -75,15 +75,15 @@ class ModelConfig:
                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"config: {name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.head_dim % 2:
-            raise ValueError(f"config: head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.max_position_embeddings > MAX_CONTEXT:
-            raise ValueError(f"config: max_position_embeddings {self.max_position_embeddings} is over {MAX_CONTEXT}")
+            raise ValueError(f"max_position_embeddings {self.max_position_embeddings} is over {MAX_CONTEXT}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-                raise ValueError(f"config: {name} must be a positive number, got {value!r}")
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> ModelConfig:
@@ -115,7 +115,7 @@ class ModelConfig:
         try:
             return cls._from_fields(cfg, model_type, heads, rope_theta, rope_scaling)
         except (TypeError, ValueError, ArithmeticError) as exc:  # a field of the wrong type or value
-            raise ValueError(f"{source}: {exc}".replace("config: ", "")) from None
+            raise ValueError(f"{source}: {exc}") from None
 
     @classmethod
     def _from_fields(cls, cfg: dict, model_type: str, heads, rope_theta, rope_scaling) -> ModelConfig:

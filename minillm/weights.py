@@ -100,10 +100,6 @@ def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
     }
     if key("attention.key_length", None) is not None:
         cfg["head_dim"] = key("attention.key_length")
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "max_position_embeddings", "head_dim"):
-        if name in cfg and (type(cfg[name]) is not int or cfg[name] < 1):
-            raise WeightsError(f"{path}: {name} must be a positive integer, got {cfg[name]!r}")
     if key("rope.scaling.type", "none") != "none":
         raise WeightsError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported by the GGUF loader")
     try:
