@@ -22,6 +22,7 @@ Every notebook with such markers gets an exercise version in which:
 Usage:
     python tools/make_exercises.py           write exercises/*.ipynb
     python tools/make_exercises.py --check   list stale or missing exercise notebooks, exit 1 if any
+    python tools/make_exercises.py --only notebooks/05_model.ipynb   write only that notebook's exercise
 """
 
 from __future__ import annotations
@@ -183,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if an exercise notebook is stale")
     parser.add_argument("--root", type=Path, default=ROOT, help="project folder (default: this repo)")
+    parser.add_argument("--only", type=Path, action="append", help="write only this notebook's exercise (repeatable)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
+    only = {path.name for path in args.only or []}
     try:
         wanted = collect(root)
     except (ExerciseError, json.JSONDecodeError, OSError) as exc:
@@ -205,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         return 1 if problems else 0
     for path, text in wanted.items():
+        if only and path.name not in only:
+            continue
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")

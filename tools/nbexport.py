@@ -11,6 +11,7 @@ Markup (compatible with nbdev):
 Usage:
     python tools/nbexport.py            write every module from its notebook
     python tools/nbexport.py --check    list stale modules and exit 1 if any differ
+    python tools/nbexport.py --only notebooks/05_model.ipynb   write only that notebook's modules
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if a module is stale")
     parser.add_argument("--root", type=Path, default=ROOT, help="project folder (default: this repo)")
+    parser.add_argument("--only", type=Path, action="append", help="write only this notebook's modules (repeatable)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
+    only = {path.name for path in args.only or []}
     try:
         modules = collect(root)
     except ExportError as exc:
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         return 1 if problems else 0
     for path, (notebook, text) in modules.items():
+        if only and notebook.name not in only:
+            continue
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
