@@ -17,6 +17,13 @@ import time
 import torch
 
 
+def _check_preferred(prefer: str, available: dict[str, bool]) -> None:
+    if prefer not in available:
+        raise ValueError(f"pick_device: prefer must be one of {sorted(available)}, got {prefer!r}")
+    if not available[prefer]:
+        raise ValueError(f"pick_device: {prefer} was requested but is not available on this machine")
+
+
 def pick_device(prefer: str | None = None) -> torch.device:
     """CUDA if available, then Apple's MPS, then the CPU; `prefer` ("cuda", "mps", "cpu") forces one."""
     available = {
@@ -25,10 +32,7 @@ def pick_device(prefer: str | None = None) -> torch.device:
         "cpu": True,
     }
     if prefer is not None:
-        if prefer not in available:
-            raise ValueError(f"pick_device: prefer must be one of {sorted(available)}, got {prefer!r}")
-        if not available[prefer]:
-            raise ValueError(f"pick_device: {prefer} was requested but is not available on this machine")
+        _check_preferred(prefer, available)
         return torch.device(prefer)
     return torch.device(next(name for name, ok in available.items() if ok))
 

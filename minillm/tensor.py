@@ -29,12 +29,103 @@ DTYPES: dict[str, tuple[str, torch.dtype]] = {
 }
 
 
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"Storage: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = {v[1]: k for k, v in DTYPES.items()}.get(dtype)
+    if name is None:
+        raise TypeError(f"from_torch: dtype {dtype} not supported, expected one of {sorted(DTYPES)}")
+    return name
+
+def _require(ok: bool, message: str, error: type[Exception] = ValueError) -> None:
+    """Raise error(message) unless ok: the one-line checks of the lesson cells."""
+    if not ok:
+        raise error(message)
+
+def _check_index(index: Sequence[int], shape: tuple[int, ...]) -> None:
+    if len(index) != len(shape):
+        raise ValueError(f"index {tuple(index)} has {len(index)} entries, tensor has {len(shape)} dims")
+    for d, (i, size) in enumerate(zip(index, shape)):
+        if not 0 <= i < size:
+            raise IndexError(f"index {i} out of range for dim {d} of size {size}")
+
+def _check_fits(storage, layout) -> None:
+    if layout.numel() > 0:
+        last = layout.offset + sum((s - 1) * st for s, st in zip(layout.shape, layout.stride))
+        if layout.offset < 0 or last >= len(storage) or any(st < 0 for st in layout.stride):
+            raise ValueError(f"layout {layout} reads outside a storage of {len(storage)} elements")
+
+def _check_dim(dim: int, ndim: int, name: str = "dim") -> int:
+    if not -ndim <= dim < max(ndim, 1):
+        raise ValueError(f"{name} {dim} out of range for a tensor with {ndim} dimensions")
+    return dim % ndim if ndim else 0
+
+def _check_position(index: int, size: int, dim: int) -> int:
+    if not -size <= index < size:
+        raise IndexError(f"index {index} out of range for dim {dim} of size {size}")
+    return index % size
+
+def _check_permutation(dims: Sequence[int], ndim: int) -> list[int]:
+    dims = [_check_dim(d, ndim) for d in dims]
+    if sorted(dims) != list(range(ndim)):
+        raise ValueError(f"permute: dims {tuple(dims)} is not a permutation of 0..{ndim - 1}")
+    return dims
+
+def _check_narrow(size: int, dim: int, start: int, length: int) -> None:
+    if start < 0 or length < 0 or start + length > size:
+        raise ValueError(f"narrow: start {start} + length {length} exceeds size {size} of dim {dim}")
+
+def _view_shape(t, shape: Sequence[int]) -> tuple[int, ...]:
+    """view's target shape, with at most one -1 filled in; t must be contiguous."""
+    numel, shape = t.numel(), list(shape)
+    if shape.count(-1) > 1:
+        raise ValueError(f"view: only one dimension can be -1, got {tuple(shape)}")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if known == 0 or numel % known:
+            raise ValueError(f"view: shape {tuple(shape)} is invalid for {numel} elements")
+        shape[shape.index(-1)] = numel // known
+    if math.prod(shape) != numel:
+        raise ValueError(f"view: shape {tuple(shape)} is invalid for {numel} elements")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"view: tensor of shape {t.shape} with strides {t.stride()} is not contiguous; "
+            "call contiguous() first, or use reshape(), which copies when it must"
+        )
+    return tuple(shape)
+
+def _index_key(key, ndim: int) -> tuple:
+    key = key if isinstance(key, tuple) else (key,)
+    if len(key) > ndim:
+        raise IndexError(f"too many indices ({len(key)}) for a tensor of {ndim} dims")
+    return key
+
+def _slice_range(k, size: int, dim: int) -> tuple[int, int, int]:
+    if not isinstance(k, slice):
+        raise TypeError(f"index for dim {dim} must be an int or a slice, got {type(k).__name__}")
+    start, stop, step = k.indices(size)
+    if step <= 0:
+        raise ValueError(f"slice step must be positive, got {step} for dim {dim}")
+    return start, stop, step
+
+def _check_matmul(a, b) -> tuple[int, int, int]:
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul needs at least 2 dims on each side, got shapes {a.shape} and {b.shape}")
+    (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
+    if k != k2:
+        raise ValueError(f"matmul: inner sizes differ: {a.shape} @ {b.shape} ({k} != {k2})")
+    if a.dtype != b.dtype:
+        raise TypeError(f"matmul: dtypes differ ({a.dtype} vs {b.dtype})")
+    return m, k, n
+
+
 class Storage:
     """A flat, typed buffer of numbers: the only place a tensor's values live."""
 
     def __init__(self, values: Sequence[float], dtype: str = "float32"):
-        if dtype not in DTYPES:
-            raise ValueError(f"Storage: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        _check_dtype(dtype)
         self.dtype = dtype
         self.data = array.array(DTYPES[dtype][0], values)
 
@@ -64,12 +155,6 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _check_dim(dim: int, ndim: int, name: str = "dim") -> int:
-    if not -ndim <= dim < max(ndim, 1):
-        raise ValueError(f"{name} {dim} out of range for a tensor with {ndim} dimensions")
-    return dim % ndim if ndim else 0
-
-
 @dataclass(frozen=True)
 class Layout:
     """How to read a flat storage as an n-dimensional array: shape, strides, offset."""
@@ -81,8 +166,7 @@ class Layout:
     @staticmethod
     def contiguous(shape: Sequence[int], offset: int = 0) -> Layout:
         shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"Layout: sizes must be >= 0, got shape {shape}")
+        _require(all(s >= 0 for s in shape), f"Layout: sizes must be >= 0, got shape {shape}")
         return Layout(shape, contiguous_strides(shape), offset)
 
     @property
@@ -94,14 +178,8 @@ class Layout:
 
     def position(self, index: Sequence[int]) -> int:
         """Storage position of the element at `index`: offset + sum(i_d * stride_d)."""
-        if len(index) != self.ndim:
-            raise ValueError(f"index {tuple(index)} has {len(index)} entries, tensor has {self.ndim} dims")
-        pos = self.offset
-        for d, (i, size, stride) in enumerate(zip(index, self.shape, self.stride)):
-            if not 0 <= i < size:
-                raise IndexError(f"index {i} out of range for dim {d} of size {size}")
-            pos += i * stride
-        return pos
+        _check_index(index, self.shape)
+        return self.offset + sum(i * stride for i, stride in zip(index, self.stride))
 
     def positions(self) -> Iterator[int]:
         """Storage positions of all elements, in row-major (logical) order."""
@@ -132,20 +210,65 @@ def _flatten(nested) -> tuple[list, tuple[int, ...]]:
     return [v for values, _ in parts for v in values], (len(nested), *inner)
 
 
-class Tensor:
+def _nest(flat: list, shape: tuple[int, ...]):  # the inverse of _flatten
+    for size in reversed(shape[1:]):
+        flat = [flat[k : k + size] for k in range(0, len(flat), size)]
+    return flat[0] if len(shape) == 0 else flat
+
+
+class _TorchStyle:
+    """PyTorch's names for a Tensor: each forwards to the layout or to a function of this module."""
+
+    @property
+    def ndim(self) -> int:
+        return self.layout.ndim
+    def stride(self) -> tuple[int, ...]:
+        return self.layout.stride
+    def numel(self) -> int:
+        return self.layout.numel()
+    def is_contiguous(self) -> bool:
+        return self.layout.is_contiguous()
+    def shares_storage(self, other: Tensor) -> bool:
+        return self.storage is other.storage
+
+    @staticmethod
+    def from_torch(t: torch.Tensor) -> Tensor:
+        dtype = _dtype_name(t.dtype)
+        return Tensor(Storage(t.detach().cpu().contiguous().flatten().tolist(), dtype), Layout.contiguous(t.shape))
+
+    def to_torch(self) -> torch.Tensor:
+        """A torch tensor over the *same memory*, with the same shape, strides and offset."""
+        data = self.storage.data
+        flat = torch.frombuffer(data, dtype=DTYPES[self.dtype][1]) if len(data) else torch.empty(0)
+        return torch.as_strided(flat, self.shape, self.stride(), self.layout.offset)
+
+    # PyTorch's operators and method names, one line each. Each calls the module's function of the
+    # same name, which Python looks up when the method runs (so the functions may come further down).
+    def __getitem__(self, key): return getitem(self, key)
+    def __add__(self, other): return add(self, other)
+    __radd__ = __add__
+    def __mul__(self, other): return mul(self, other)
+    __rmul__ = __mul__
+    def __matmul__(self, other): return matmul(self, other)
+    T = property(lambda self: transpose(self, -2, -1))
+    def transpose(self, dim0, dim1): return transpose(self, dim0, dim1)
+    def permute(self, dims): return permute(self, dims)
+    def narrow(self, dim, start, length): return narrow(self, dim, start, length)
+    def select(self, dim, index): return select(self, dim, index)
+    def view(self, shape): return view(self, shape)
+    def reshape(self, shape): return reshape(self, shape)
+    def expand(self, shape): return expand(self, shape)
+    def contiguous(self): return contiguous(self)
+
+
+class Tensor(_TorchStyle):
     """A view of a Storage through a Layout. Views share storage; only contiguous() copies."""
 
     def __init__(self, storage: Storage, layout: Layout):
-        if layout.numel() > 0:
-            last = layout.offset + sum((s - 1) * st for s, st in zip(layout.shape, layout.stride))
-            if layout.offset < 0 or last >= len(storage) or any(st < 0 for st in layout.stride):
-                raise ValueError(
-                    f"layout {layout} reads outside a storage of {len(storage)} elements"
-                )
+        _check_fits(storage, layout)
         self.storage = storage
         self.layout = layout
 
-    # construction ---------------------------------------------------------------------
     @staticmethod
     def from_list(nested, dtype: str = "float32") -> Tensor:
         values, shape = _flatten(nested)
@@ -155,14 +278,6 @@ class Tensor:
     def arange(n: int, dtype: str = "float32") -> Tensor:
         return Tensor(Storage(range(n), dtype), Layout.contiguous((n,)))
 
-    @staticmethod
-    def from_torch(t: torch.Tensor) -> Tensor:
-        dtype = {v[1]: k for k, v in DTYPES.items()}.get(t.dtype)
-        if dtype is None:
-            raise TypeError(f"from_torch: dtype {t.dtype} not supported, expected one of {sorted(DTYPES)}")
-        return Tensor(Storage(t.detach().cpu().contiguous().flatten().tolist(), dtype), Layout.contiguous(t.shape))
-
-    # what a tensor is -----------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
         return self.layout.shape
@@ -171,41 +286,16 @@ class Tensor:
     def dtype(self) -> str:
         return self.storage.dtype
 
-    @property
-    def ndim(self) -> int:
-        return self.layout.ndim
-
-    def stride(self) -> tuple[int, ...]:
-        return self.layout.stride
-
-    def numel(self) -> int:
-        return self.layout.numel()
-
-    def is_contiguous(self) -> bool:
-        return self.layout.is_contiguous()
-
-    def shares_storage(self, other: Tensor) -> bool:
-        return self.storage is other.storage
-
     def values(self) -> list:
         """All elements in row-major (logical) order."""
         return [self.storage[p] for p in self.layout.positions()]
 
     def tolist(self):
-        flat = self.values()
-        for size in reversed(self.shape[1:]):
-            flat = [flat[k : k + size] for k in range(0, len(flat), size)]
-        return flat[0] if self.ndim == 0 else flat
+        return _nest(self.values(), self.shape)
 
     def item(self) -> float:
-        if self.numel() != 1:
-            raise ValueError(f"item() needs exactly one element, tensor has shape {self.shape}")
+        _require(self.numel() == 1, f"item() needs exactly one element, tensor has shape {self.shape}")
         return self.storage[next(self.layout.positions())]
-
-    def to_torch(self) -> torch.Tensor:
-        """A torch tensor over the *same memory*, with the same shape, strides and offset."""
-        flat = torch.frombuffer(self.storage.data, dtype=DTYPES[self.dtype][1]) if len(self.storage) else torch.empty(0)
-        return torch.as_strided(flat, self.shape, self.stride(), self.layout.offset)
 
     def __repr__(self) -> str:
         return f"Tensor({self.tolist()}, shape={self.shape}, stride={self.stride()}, offset={self.layout.offset})"
@@ -226,17 +316,14 @@ def transpose(t: Tensor, dim0: int, dim1: int) -> Tensor:
 
 def permute(t: Tensor, dims: Sequence[int]) -> Tensor:
     """Reorder all dimensions, e.g. (B, T, H, D) -> (B, H, T, D) with dims (0, 2, 1, 3)."""
-    dims = [_check_dim(d, t.ndim) for d in dims]
-    if sorted(dims) != list(range(t.ndim)):
-        raise ValueError(f"permute: dims {tuple(dims)} is not a permutation of 0..{t.ndim - 1}")
+    dims = _check_permutation(dims, t.ndim)
     return _view(t, [t.shape[d] for d in dims], [t.stride()[d] for d in dims], t.layout.offset)
 
 
 def narrow(t: Tensor, dim: int, start: int, length: int) -> Tensor:
     """Elements start..start+length-1 along `dim`: move the offset, shrink the size."""
     d = _check_dim(dim, t.ndim)
-    if start < 0 or length < 0 or start + length > t.shape[d]:
-        raise ValueError(f"narrow: start {start} + length {length} exceeds size {t.shape[d]} of dim {d}")
+    _check_narrow(t.shape[d], d, start, length)
     shape = list(t.shape)
     shape[d] = length
     return _view(t, shape, t.stride(), t.layout.offset + start * t.stride()[d])
@@ -245,44 +332,22 @@ def narrow(t: Tensor, dim: int, start: int, length: int) -> Tensor:
 def select(t: Tensor, dim: int, index: int) -> Tensor:
     """Index one position along `dim`, removing that dimension."""
     d = _check_dim(dim, t.ndim)
-    if not -t.shape[d] <= index < t.shape[d]:
-        raise IndexError(f"index {index} out of range for dim {d} of size {t.shape[d]}")
-    index %= t.shape[d]
+    index = _check_position(index, t.shape[d], d)
     shape = t.shape[:d] + t.shape[d + 1 :]
     stride = t.stride()[:d] + t.stride()[d + 1 :]
     return _view(t, shape, stride, t.layout.offset + index * t.stride()[d])
 
 
-def _infer_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
-    shape = list(shape)
-    if shape.count(-1) > 1:
-        raise ValueError(f"view: only one dimension can be -1, got {tuple(shape)}")
-    if -1 in shape:
-        known = math.prod(s for s in shape if s != -1)
-        if known == 0 or numel % known:
-            raise ValueError(f"view: shape {tuple(shape)} is invalid for {numel} elements")
-        shape[shape.index(-1)] = numel // known
-    if math.prod(shape) != numel:
-        raise ValueError(f"view: shape {tuple(shape)} is invalid for {numel} elements")
-    return tuple(shape)
-
-
 def view(t: Tensor, shape: Sequence[int]) -> Tensor:
     """Reinterpret contiguous data with a new shape (same element order). No copy."""
-    shape = _infer_shape(shape, t.numel())
-    if not t.is_contiguous():
-        raise ValueError(
-            f"view: tensor of shape {t.shape} with strides {t.stride()} is not contiguous; "
-            "call contiguous() first, or use reshape(), which copies when it must"
-        )
+    shape = _view_shape(t, shape)
     return _view(t, shape, contiguous_strides(shape), t.layout.offset)
 
 
 def expand(t: Tensor, shape: Sequence[int]) -> Tensor:
     """Broadcast size-1 dimensions to `shape` by giving them stride 0. No copy."""
     shape = tuple(shape)
-    if len(shape) < t.ndim:
-        raise ValueError(f"expand: target {shape} has fewer dims than tensor shape {t.shape}")
+    _require(len(shape) >= t.ndim, f"expand: target {shape} has fewer dims than tensor shape {t.shape}")
     lead = len(shape) - t.ndim
     old_shape, old_stride = (1,) * lead + t.shape, (0,) * lead + t.stride()
     stride = []
@@ -313,25 +378,17 @@ def reshape(t: Tensor, shape: Sequence[int]) -> Tensor:
 
 def getitem(t: Tensor, key) -> Tensor | float:
     """t[key] for ints and slices (step > 0), as views; a full integer index returns a number."""
-    key = key if isinstance(key, tuple) else (key,)
-    if len(key) > t.ndim:
-        raise IndexError(f"too many indices ({len(key)}) for a tensor of {t.ndim} dims")
+    key = _index_key(key, t.ndim)
     shape, stride, offset = [], [], t.layout.offset
     for d, (size, st) in enumerate(zip(t.shape, t.stride())):
         k = key[d] if d < len(key) else slice(None)
-        if isinstance(k, int):
-            if not -size <= k < size:
-                raise IndexError(f"index {k} out of range for dim {d} of size {size}")
-            offset += (k % size) * st
-        elif isinstance(k, slice):
-            start, stop, step = k.indices(size)
-            if step <= 0:
-                raise ValueError(f"slice step must be positive, got {step} for dim {d}")
+        if isinstance(k, int):  # select: the dimension disappears
+            offset += _check_position(k, size, d) * st
+        else:  # a slice: start moves the offset, step multiplies the stride
+            start, stop, step = _slice_range(k, size, d)
             shape.append(len(range(start, stop, step)))
             stride.append(st * step)
             offset += start * st
-        else:
-            raise TypeError(f"index for dim {d} must be an int or a slice, got {type(k).__name__}")
     if not shape:
         return t.storage[offset]
     return _view(t, shape, stride, offset)
@@ -353,8 +410,7 @@ def elementwise(op: Callable[[float, float], float], a: Tensor, b: Tensor | floa
     """Apply op to each pair of elements after broadcasting a and b to a common shape."""
     if not isinstance(b, Tensor):
         b = Tensor(Storage([b], a.dtype), Layout((), (), 0))
-    if a.dtype != b.dtype:
-        raise TypeError(f"elementwise: dtypes differ ({a.dtype} vs {b.dtype}); convert one first")
+    _require(a.dtype == b.dtype, f"elementwise: dtypes differ ({a.dtype} vs {b.dtype}); convert one first", TypeError)
     shape = broadcast_shapes(a.shape, b.shape)
     ea, eb = expand(a, shape), expand(b, shape)
     values = [op(x, y) for x, y in zip(ea.values(), eb.values())]
@@ -371,13 +427,7 @@ def mul(a: Tensor, b: Tensor | float) -> Tensor:
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """(..., M, K) @ (..., K, N) -> (..., M, N); batch dims broadcast. Reads any strides."""
-    if a.ndim < 2 or b.ndim < 2:
-        raise ValueError(f"matmul needs at least 2 dims on each side, got shapes {a.shape} and {b.shape}")
-    (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
-    if k != k2:
-        raise ValueError(f"matmul: inner sizes differ: {a.shape} @ {b.shape} ({k} != {k2})")
-    if a.dtype != b.dtype:
-        raise TypeError(f"matmul: dtypes differ ({a.dtype} vs {b.dtype})")
+    m, k, n = _check_matmul(a, b)
     batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
     ea, eb = expand(a, batch + (m, k)), expand(b, batch + (k, n))
     out = []
@@ -389,23 +439,6 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
                     acc += ea.storage[ea.layout.position((*idx, i, kk))] * eb.storage[eb.layout.position((*idx, kk, j))]
                 out.append(acc)
     return Tensor(Storage(out, a.dtype), Layout.contiguous(batch + (m, n)))
-
-
-Tensor.__getitem__ = getitem
-Tensor.__add__ = add
-Tensor.__radd__ = add
-Tensor.__mul__ = mul
-Tensor.__rmul__ = mul
-Tensor.__matmul__ = matmul
-Tensor.transpose = transpose
-Tensor.permute = permute
-Tensor.narrow = narrow
-Tensor.select = select
-Tensor.view = view
-Tensor.reshape = reshape
-Tensor.expand = expand
-Tensor.contiguous = contiguous
-Tensor.T = property(lambda t: transpose(t, -2, -1))
 
 
 def weight_bytes(n_params: int, dtype: torch.dtype) -> int:
