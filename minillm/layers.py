@@ -21,6 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def _check_norm_weight(x: Tensor, weight: Tensor) -> None:
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, "
+            f"got weight shape {tuple(weight.shape)}"
+        )
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, check: bool = True) -> Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, accumulated in float32.
 
@@ -28,11 +36,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, check: bool = True) -> Te
     by the weight. The result has x's shape and dtype. check=False skips the weight-shape check
     (the RMSNorm module: its weight was made to size).
     """
-    if check and weight.shape != (x.shape[-1],):
-        raise ValueError(
-            f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, "
-            f"got weight shape {tuple(weight.shape)}"
-        )
+    if check:
+        _check_norm_weight(x, weight)
     input_dtype = x.dtype
     x32 = x.to(torch.float32)
     mean_sq = x32.pow(2).mean(-1, keepdim=True)  # (..., 1), in fp32 whatever the input dtype

@@ -26,21 +26,80 @@ import torch
 from torch import Tensor
 
 
-def _base_inv_freq(head_dim: int, rope_theta: float) -> Tensor:
-    """theta^(-2i/D) for i = 0..D/2-1, float32, with the same operations as transformers."""
+def _check_head_dim_theta(head_dim: int, rope_theta: float) -> float:
+    """head_dim a positive even int and rope_theta > 1, or ValueError; returns rope_theta as a float."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even integer, got {head_dim!r}")
     rope_theta = float(rope_theta)
     if not rope_theta > 1.0:
         raise ValueError(f"rope_theta must be a number > 1, got {rope_theta!r}")
+    return rope_theta
+
+
+def _check_even_last_dim(x: Tensor) -> None:
+    if x.shape[-1] % 2:
+        raise ValueError(f"rotate_half: the last dim must be even, got x of shape {tuple(x.shape)}")
+
+
+def _check_positions(positions: Tensor, inv_freq: Tensor) -> None:
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(f"rope_cos_sin: positions must be an integer tensor, got {positions.dtype}")
+    if positions.ndim not in (1, 2):
+        raise ValueError(f"rope_cos_sin: positions must be (T,) or (B, T), got shape {tuple(positions.shape)}")
+    if inv_freq.ndim != 1:
+        raise ValueError(f"rope_cos_sin: inv_freq must be (D/2,), got shape {tuple(inv_freq.shape)}")
+
+
+def _check_rope_shapes(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    if x.ndim != 4 or cos.ndim != 3 or cos.shape != sin.shape:
+        raise ValueError(
+            f"apply_rope: expected x (B, H, T, D) and cos, sin (B, T, D), got x {tuple(x.shape)}, "
+            f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
+    B, H, T, D = x.shape
+    if cos.shape[1:] != (T, D) or cos.shape[0] not in (1, B):
+        raise ValueError(
+            f"apply_rope: x {tuple(x.shape)} = (B, H, T, D) needs cos, sin of shape ({B} or 1, {T}, {D}), "
+            f"got {tuple(cos.shape)}"
+        )
+
+
+def _rope_type(rope_scaling: dict) -> str:
+    """The config's rope type, under "rope_type" or the legacy key "type"; TypeError if not a dict."""
+    if not isinstance(rope_scaling, dict):
+        raise TypeError(f"rope_scaling must be a dict or None, got {type(rope_scaling).__name__}")
+    return rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+
+
+def _scaling_value(rope_scaling: dict, key: str, rope_type: str) -> float:
+    """rope_scaling[key] as a positive float, or a ValueError naming the key."""
+    value = rope_scaling.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"rope_scaling[{key!r}] must be a positive number for rope_type {rope_type!r}, got {value!r}")
+    return float(value)
+
+
+def _llama3_params(rope_scaling: dict) -> tuple[float, float, float, float]:
+    """factor, low_freq_factor, high_freq_factor, original_max_position_embeddings, each checked."""
+    factor, low, high, old_context = (
+        _scaling_value(rope_scaling, key, "llama3")
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    )
+    if not high > low:
+        raise ValueError(f"rope_scaling: high_freq_factor ({high}) must be greater than low_freq_factor ({low})")
+    return factor, low, high, old_context
+
+
+def _base_inv_freq(head_dim: int, rope_theta: float) -> Tensor:
+    """theta^(-2i/D) for i = 0..D/2-1, float32, with the same operations as transformers."""
+    rope_theta = _check_head_dim_theta(head_dim, rope_theta)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # 2i/D, (D/2,)
     return 1.0 / (rope_theta**exponents)
 
 
 def rotate_half(x: Tensor) -> Tensor:
     """(x1, x2) -> (-x2, x1) on the two halves of the last dim: pair (i, i + D/2) turned by 90 degrees."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"rotate_half: the last dim must be even, got x of shape {tuple(x.shape)}")
+    _check_even_last_dim(x)
     x1, x2 = x.chunk(2, dim=-1)  # (..., D) -> two (..., D/2)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -53,12 +112,7 @@ def rope_cos_sin(
     positions: (T,) or (B, T) integers (a 1-D input gives B = 1); inv_freq: (D/2,).
     The angles are computed in float32; only the results are cast to `dtype`.
     """
-    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
-        raise TypeError(f"rope_cos_sin: positions must be an integer tensor, got {positions.dtype}")
-    if positions.ndim not in (1, 2):
-        raise ValueError(f"rope_cos_sin: positions must be (T,) or (B, T), got shape {tuple(positions.shape)}")
-    if inv_freq.ndim != 1:
-        raise ValueError(f"rope_cos_sin: inv_freq must be (D/2,), got shape {tuple(inv_freq.shape)}")
+    _check_positions(positions, inv_freq)
     if positions.ndim == 1:
         positions = positions[None]  # (T,) -> (1, T)
     inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
@@ -81,46 +135,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, check: bool = True) -> Te
     return x * cos + rotate_half(x) * sin
 
 
-def _check_rope_shapes(x: Tensor, cos: Tensor, sin: Tensor) -> None:
-    if x.ndim != 4 or cos.ndim != 3 or cos.shape != sin.shape:
-        raise ValueError(
-            f"apply_rope: expected x (B, H, T, D) and cos, sin (B, T, D), got x {tuple(x.shape)}, "
-            f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
-        )
-    B, H, T, D = x.shape
-    if cos.shape[1:] != (T, D) or cos.shape[0] not in (1, B):
-        raise ValueError(
-            f"apply_rope: x {tuple(x.shape)} = (B, H, T, D) needs cos, sin of shape ({B} or 1, {T}, {D}), "
-            f"got {tuple(cos.shape)}"
-        )
-
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def _scaling_value(rope_scaling: dict, key: str, rope_type: str) -> float:
-    """rope_scaling[key] as a positive float, or a ValueError naming the key."""
-    value = rope_scaling.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"rope_scaling[{key!r}] must be a positive number for rope_type {rope_type!r}, got {value!r}")
-    return float(value)
-
-
-def _llama3_inv_freq(inv_freq: Tensor, rope_scaling: dict) -> Tensor:
-    """Llama 3.1's scaling: long wavelengths / factor, short ones kept, a smooth blend in between."""
-    factor, low, high, old_context = (
-        _scaling_value(rope_scaling, key, "llama3")
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    )
-    if not high > low:
-        raise ValueError(f"rope_scaling: high_freq_factor ({high}) must be greater than low_freq_factor ({low})")
-    wavelength = 2 * math.pi / inv_freq  # tokens per turn, (D/2,)
-    low_freq_wavelength, high_freq_wavelength = old_context / low, old_context / high
-    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelength - low) / (high - low)  # 0 at the long end .. 1 at the short end
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
-    return torch.where(medium, blended, scaled)
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = None) -> Tensor:
@@ -133,9 +148,7 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = 
     inv_freq = _base_inv_freq(head_dim, rope_theta)
     if rope_scaling is None:
         return inv_freq
-    if not isinstance(rope_scaling, dict):
-        raise TypeError(f"rope_scaling must be a dict or None, got {type(rope_scaling).__name__}")
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    rope_type = _rope_type(rope_scaling)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -146,3 +159,15 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = 
         f"rope_scaling type {rope_type!r} is not supported; supported types: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)} (or rope_scaling None)"
     )
+
+
+def _llama3_inv_freq(inv_freq: Tensor, rope_scaling: dict) -> Tensor:
+    """Llama 3.1's scaling: long wavelengths / factor, short ones kept, a smooth blend in between."""
+    factor, low, high, old_context = _llama3_params(rope_scaling)
+    wavelength = 2 * math.pi / inv_freq  # tokens per turn, (D/2,)
+    low_freq_wavelength, high_freq_wavelength = old_context / low, old_context / high
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelength - low) / (high - low)  # 0 at the long end .. 1 at the short end
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(medium, blended, scaled)
