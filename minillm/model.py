@@ -33,15 +33,6 @@ from minillm.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 MAX_CONTEXT = 2**24  # positions; the longest real contexts (1M-10M tokens) fit
-_REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "rms_norm_eps",
-    "max_position_embeddings",
-)
 
 
 @dataclass(frozen=True)
@@ -68,92 +59,120 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
-        """Every config, from config.json or a GGUF file, is checked here: sizes are positive ints
-        (a head_dim of 1e-30, "llama" or NaN would fail deep inside torch.empty), and the context
-        stays within what a position table can hold."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        if self.max_position_embeddings > MAX_CONTEXT:
-            raise ValueError(f"max_position_embeddings {self.max_position_embeddings} is over {MAX_CONTEXT}")
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        check_config(self)  # sizes are positive ints, head_dim even, eps and theta positive (Plumbing)
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> ModelConfig:
         """Build from a config.json dict; errors name the field and `source` (e.g. the file)."""
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{source}: a model config must be a JSON object, got {type(cfg).__name__}")
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        missing = [name for name in _REQUIRED if name not in cfg]
-        if model_type == "qwen3" and "head_dim" not in cfg:
-            missing.append("head_dim")
-        if missing:
-            raise ValueError(f"{source}: missing field(s) {', '.join(missing)} for model_type {model_type!r}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported; supported: 'silu'")
-        if cfg.get("use_sliding_window", False):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
-        rope = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta"))
-        if rope_theta is None:
-            raise ValueError(f"{source}: missing field rope_theta (or rope_parameters.rope_theta)")
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and rope.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        heads = cfg["num_attention_heads"]
+        check_config_dict(cfg, source)  # a supported model_type and every field we read (Plumbing)
         try:
-            return cls._from_fields(cfg, model_type, heads, rope_theta, rope_scaling)
+            return cls(**hf_config_fields(cfg))
         except (TypeError, ValueError, ArithmeticError) as exc:  # a field of the wrong type or value
             raise ValueError(f"{source}: {exc}") from None
 
     @classmethod
-    def _from_fields(cls, cfg: dict, model_type: str, heads, rope_theta, rope_scaling) -> ModelConfig:
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,  # HF: absent means no GQA
-            head_dim=cfg.get("head_dim") or _ratio(cfg["hidden_size"], heads),  # HF rule for llama/qwen2
-            max_position_embeddings=cfg["max_position_embeddings"],
-            rms_norm_eps=cfg["rms_norm_eps"],
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-        )
-
-    @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"model config not found: {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-        except RecursionError:
-            raise ValueError(f"{path}: JSON nested too deeply") from None
+        """From a config.json file, or a folder holding one."""
+        cfg, path = read_config_json(path)
         return cls.from_dict(cfg, source=str(path))
+
+
+def hf_config_fields(cfg: dict) -> dict:
+    """ModelConfig's fields from a config.json dict: each family's rule written out, nothing guessed."""
+    model_type, heads = cfg["model_type"], cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and the scaling here
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return dict(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,  # HF: absent means no GQA
+        head_dim=cfg.get("head_dim") or _ratio(cfg["hidden_size"], heads),  # HF rule for llama/qwen2
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        rope_theta=cfg.get("rope_theta", rope.get("rope_theta")),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+    )
+
+
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+
+
+def check_config(config: ModelConfig) -> None:
+    """Every config, from config.json or a GGUF file, is checked here: sizes are positive ints
+    (a head_dim of 1e-30, "llama" or NaN would fail deep inside torch.empty), and the context
+    stays within what a position table can hold."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {config.head_dim}")
+    if config.max_position_embeddings > MAX_CONTEXT:
+        raise ValueError(f"max_position_embeddings {config.max_position_embeddings} is over {MAX_CONTEXT}")
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = getattr(config, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def check_config_dict(cfg: dict, source: str) -> None:
+    """A raw config.json dict: a supported model_type and every field from_dict reads; errors name `source`."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source}: a model config must be a JSON object, got {type(cfg).__name__}")
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    missing = [name for name in _REQUIRED if name not in cfg]
+    if model_type == "qwen3" and "head_dim" not in cfg:
+        missing.append("head_dim")
+    if missing:
+        raise ValueError(f"{source}: missing field(s) {', '.join(missing)} for model_type {model_type!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported; supported: 'silu'")
+    if cfg.get("use_sliding_window", False):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
+    rope = cfg.get("rope_parameters") or {}
+    if cfg.get("rope_theta", rope.get("rope_theta")) is None:
+        raise ValueError(f"{source}: missing field rope_theta (or rope_parameters.rope_theta)")
+
+
+def read_config_json(path: str | Path) -> tuple[dict, Path]:
+    """The dict in a config.json file (or in a folder's config.json), and the file's path."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model config not found: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None
+    return cfg, path
 
 
 def _ratio(hidden_size, heads):
@@ -224,57 +243,14 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
-    """A decoder-only language model: forward(input_ids (B, T)) -> logits (B, T, V)."""
+def rope_frequencies(config: ModelConfig) -> torch.Tensor:
+    """RoPE's inv_freq (D/2,) float32 for a config: the one place that reads its RoPE fields."""
+    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)  # (D/2,), not a weight
 
-    def reset_rope(self, device: torch.device | str | None = None) -> None:
-        """inv_freq computed afresh in float32, on `device` (default: where it is): after model.to(bf16)
-        rounded it, or after the loaders' to_empty() left it uninitialised (notebooks 06 and 13)."""
-        self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device if device is None else device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache: list | None = None,
-        start_pos: int = 0,
-        logits_to_keep: int = 0,
-    ) -> torch.Tensor:
-        """Logits (B, T, V) for T new tokens that follow `start_pos` cached ones.
-
-        input_ids (B, T) int; positions (B, T) or (T,), default start_pos..start_pos+T-1 (or, with
-        left padding, the count of real tokens before each one); attention_mask (B, start_pos + T),
-        1 = token, 0 = padding, over cached and new tokens; cache: one object per layer with
-        `update(pos, k, v)` (notebook 08), or None to attend only within input_ids; logits_to_keep = n > 0
-        computes the head for the last n positions only (a prefill needs just the last one's logits).
-        """
-        B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
-        if positions is None:
-            if attention_mask is None:
-                positions = torch.arange(start_pos, S, device=input_ids.device)  # (T,)
-            else:  # left padding: count real tokens before each position
-                positions = padded_positions(attention_mask, start_pos)  # (B, T)
-        if self.inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: RoPE angles need fp32
-            self.reset_rope()
-        x = self.model.embed_tokens(input_ids)  # (B, T, h)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype=x.dtype)  # (B or 1, T, D)
-        mask = build_attention_mask(T, S, start_pos, attention_mask, x.device)  # bool, (B or 1, 1, T, S)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)
-        x = self.model.norm(x)  # (B, T, h)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]  # (B, n, h): the head is the largest matrix; skip unneeded rows
-        if self.lm_head is None:  # tied: the embedding matrix is the head
-            return F.linear(x, self.model.embed_tokens.weight)  # (B, T, h) @ (h, V) -> (B, T, V)
-        return self.lm_head(x)  # (B, T, V); a module, so a quantized head (notebook 13) fits here too
+def padded_positions(attention_mask: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """RoPE positions (B, T) of the new tokens under left padding: the count of real tokens before each one."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]
 
 
 def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -304,14 +280,46 @@ def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention
     return B, T, S
 
 
-def rope_frequencies(config: ModelConfig) -> torch.Tensor:
-    """RoPE's inv_freq (D/2,) float32 for a config: the one place that reads its RoPE fields."""
-    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+class CausalLM(nn.Module):
+    """A decoder-only language model: forward(input_ids (B, T)) -> logits (B, T, V)."""
 
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)  # (D/2,), not a weight
 
-def padded_positions(attention_mask: torch.Tensor, start_pos: int) -> torch.Tensor:
-    """RoPE positions (B, T) of the new tokens under left padding: the count of real tokens before each one."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """inv_freq computed afresh in float32 on `device` (default: where it is), after a cast or to_empty()."""
+        self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device if device is None else device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache: list | None = None,
+                start_pos: int = 0, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits (B, T, V) for T new tokens that follow `start_pos` cached ones.
+
+        positions (B, T) or (T,); attention_mask (B, start_pos + T), 1 = token, 0 = padding; cache: one
+        object per layer with `update(pos, k, v)`; logits_to_keep = n > 0: the last n positions only."""
+        B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
+        if positions is None:
+            if attention_mask is None:
+                positions = torch.arange(start_pos, S, device=input_ids.device)  # (T,)
+            else:  # left padding: count real tokens before each position
+                positions = padded_positions(attention_mask, start_pos)  # (B, T)
+        if self.inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: RoPE angles need fp32
+            self.reset_rope()
+        x = self.model.embed_tokens(input_ids)  # (B, T, h)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype=x.dtype)  # (B or 1, T, D)
+        mask = build_attention_mask(T, S, start_pos, attention_mask, x.device)  # bool, (B or 1, 1, T, S)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)
+        x = self.model.norm(x)  # (B, T, h)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # (B, n, h): the head is the largest matrix; skip unneeded rows
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            return F.linear(x, self.model.embed_tokens.weight)  # (B, T, h) @ (h, V) -> (B, T, V)
+        return self.lm_head(x)  # (B, T, V); a module, so a quantized head (notebook 13) fits here too
 
 
 def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor], source: str = "state dict") -> list[str]:
