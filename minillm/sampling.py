@@ -142,12 +142,7 @@ def apply_penalties(
     """
     _check_logits(logits)
     B, V = logits.shape
-    _check("repetition_penalty", repetition_penalty, _is_real(repetition_penalty) and repetition_penalty > 0, "> 0")
-    _check("presence_penalty", presence_penalty, _is_real(presence_penalty), "a finite number")
-    _check("frequency_penalty", frequency_penalty, _is_real(frequency_penalty), "a finite number")
-    _check("token_ids", f"{len(token_ids)} rows", len(token_ids) == B, f"one list per logits row ({B} rows)")
-    if prompt_lengths is not None:
-        _check("prompt_lengths", f"{len(prompt_lengths)} entries", len(prompt_lengths) == B, f"one per row ({B})")
+    _check_penalty_args(B, token_ids, repetition_penalty, presence_penalty, frequency_penalty, prompt_lengths)
     out = logits.clone()
     for b, ids in enumerate(token_ids):
         ids = list(ids)
@@ -169,6 +164,17 @@ def apply_penalties(
     return out
 
 
+def _check_penalty_args(B: int, token_ids, repetition_penalty, presence_penalty, frequency_penalty,
+                        prompt_lengths) -> None:
+    """apply_penalties' argument checks, each naming the argument and its value."""
+    _check("repetition_penalty", repetition_penalty, _is_real(repetition_penalty) and repetition_penalty > 0, "> 0")
+    _check("presence_penalty", presence_penalty, _is_real(presence_penalty), "a finite number")
+    _check("frequency_penalty", frequency_penalty, _is_real(frequency_penalty), "a finite number")
+    _check("token_ids", f"{len(token_ids)} rows", len(token_ids) == B, f"one list per logits row ({B} rows)")
+    if prompt_lengths is not None:
+        _check("prompt_lengths", f"{len(prompt_lengths)} entries", len(prompt_lengths) == B, f"one per row ({B})")
+
+
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy
 
 
@@ -188,20 +194,7 @@ class SamplingParams:
     logprobs: int | None = None  # return the top-n logprobs per token
 
     def __post_init__(self):
-        _check("temperature", self.temperature, _is_real(self.temperature) and self.temperature >= 0, ">= 0 (0 = greedy)")
-        _check("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0 = off)")
-        _check("top_p", self.top_p, _is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
-        _check("min_p", self.min_p, _is_real(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
-        _check("typical_p", self.typical_p, _is_real(self.typical_p) and 0 < self.typical_p <= 1, "in (0, 1]")
-        _check("repetition_penalty", self.repetition_penalty,
-               _is_real(self.repetition_penalty) and self.repetition_penalty > 0, "> 0")
-        for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range (and vLLM's)
-            value = getattr(self, name)
-            _check(name, value, _is_real(value) and -2 <= value <= 2, "in [-2, 2]")
-        _check("seed", self.seed, self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
-               "an int in [-2**63, 2**64) or None (what torch.Generator takes)")
-        _check("logprobs", self.logprobs, self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-               "an int >= 0 or None")
+        _check_params(self)
 
     @property
     def greedy(self) -> bool:
@@ -209,12 +202,22 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A torch.Generator on `device` seeded with `seed`, or None (use torch's global RNG) when seed is None."""
-    if seed is None:
-        return None
-    _check("seed", seed, _is_int(seed), "an int or None")
-    return torch.Generator(device=device).manual_seed(seed)
+def _check_params(params: SamplingParams) -> None:
+    """SamplingParams' field checks, each naming the field and its value (called by __post_init__)."""
+    _check("temperature", params.temperature, _is_real(params.temperature) and params.temperature >= 0, ">= 0 (0 = greedy)")
+    _check("top_k", params.top_k, _is_int(params.top_k) and params.top_k >= 0, "an int >= 0 (0 = off)")
+    _check("top_p", params.top_p, _is_real(params.top_p) and 0 < params.top_p <= 1, "in (0, 1]")
+    _check("min_p", params.min_p, _is_real(params.min_p) and 0 <= params.min_p <= 1, "in [0, 1]")
+    _check("typical_p", params.typical_p, _is_real(params.typical_p) and 0 < params.typical_p <= 1, "in (0, 1]")
+    _check("repetition_penalty", params.repetition_penalty,
+           _is_real(params.repetition_penalty) and params.repetition_penalty > 0, "> 0")
+    for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range (and vLLM's)
+        value = getattr(params, name)
+        _check(name, value, _is_real(value) and -2 <= value <= 2, "in [-2, 2]")
+    _check("seed", params.seed, params.seed is None or (_is_int(params.seed) and -2**63 <= params.seed < 2**64),
+           "an int in [-2**63, 2**64) or None (what torch.Generator takes)")
+    _check("logprobs", params.logprobs, params.logprobs is None or (_is_int(params.logprobs) and params.logprobs >= 0),
+           "an int >= 0 or None")
 
 
 def process_logits(
@@ -247,6 +250,14 @@ def process_logits(
     if params.typical_p < 1:
         logits = typical_filter(logits, params.typical_p)
     return logits
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A torch.Generator on `device` seeded with `seed`, or None (use torch's global RNG) when seed is None."""
+    if seed is None:
+        return None
+    _check("seed", seed, _is_int(seed), "an int or None")
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass
@@ -294,20 +305,15 @@ def beam_search(
 
     step_fn(sequences) -> (len(sequences), V) next-token logits for each full sequence (prompt +
     generated). Returns up to num_beams (generated ids, score), best first; the ids include the EOS
-    that ended a hypothesis; score = sum of token logprobs / len(ids) ** length_penalty.
-    """
-    _check("num_beams", num_beams, _is_int(num_beams) and num_beams >= 1, "an int >= 1")
-    _check("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1")
-    _check("length_penalty", length_penalty, _is_real(length_penalty), "a finite number")
+    that ended a hypothesis; score = sum of token logprobs / len(ids) ** length_penalty."""
+    _check_beam_args(num_beams, max_new_tokens, length_penalty)
     eos = set(eos_token_ids)
     keep = max(2, 1 + len(eos)) * num_beams  # candidates kept per step, as transformers
     running: list[tuple[list[int], float]] = [([], 0.0)]  # (generated ids, sum of logprobs)
     finished: list[tuple[list[int], float]] = []  # (generated ids, length-penalised score)
     for step in range(max_new_tokens):
         logits = step_fn([list(input_ids) + ids for ids, _ in running])
-        _check_logits(logits, "step_fn logits")
-        _check("step_fn logits", f"{logits.shape[0]} rows", logits.shape[0] == len(running),
-               f"one row per sequence ({len(running)})")
+        _check_step_logits(logits, len(running))
         V = logits.shape[-1]
         sums = torch.tensor([s for _, s in running], dtype=torch.float32, device=logits.device)
         total = torch.log_softmax(logits.float(), dim=-1) + sums[:, None]  # (beams, V)
@@ -328,3 +334,15 @@ def beam_search(
         if len(finished) == num_beams or not running:
             break
     return finished
+
+
+def _check_beam_args(num_beams, max_new_tokens, length_penalty) -> None:
+    _check("num_beams", num_beams, _is_int(num_beams) and num_beams >= 1, "an int >= 1")
+    _check("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1")
+    _check("length_penalty", length_penalty, _is_real(length_penalty), "a finite number")
+
+
+def _check_step_logits(logits: torch.Tensor, rows: int) -> None:
+    """step_fn's logits: valid logits, one row per running sequence."""
+    _check_logits(logits, "step_fn logits")
+    _check("step_fn logits", f"{logits.shape[0]} rows", logits.shape[0] == rows, f"one row per sequence ({rows})")
