@@ -20,32 +20,6 @@ HUB_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "toke
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def sha256_file(path: str | Path) -> str:
-    """The sha256 hex digest of a file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_sha256(folder: str | Path) -> None:
-    """Check each weight file of a hub snapshot against the sha256 its cache blob is named after.
-
-    A mismatch deletes the bad blob (so the next load downloads it again) and raises WeightsError.
-    """
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        blob = file.resolve()  # snapshots/<commit>/x.safetensors -> blobs/<sha256>
-        if not re.fullmatch(r"[0-9a-f]{64}", blob.name):
-            continue  # not a hub cache blob (e.g. a copied folder): nothing to compare with
-        digest = sha256_file(blob)
-        if digest != blob.name:
-            blob.unlink()
-            file.unlink()
-            raise WeightsError(f"{file}: sha256 {digest} differs from the hub's {blob.name}; "
-                               "the download is corrupt and was deleted, load again to re-download")
-
-
 def download(repo_id: str, revision: str | None = None) -> Path:
     """The folder of a hub model: from the local cache if there, else downloaded (HF_ENDPOINT, HF_HOME)."""
     # imported on use: huggingface_hub reads HF_HOME and HF_ENDPOINT when first imported
@@ -72,3 +46,29 @@ def download(repo_id: str, revision: str | None = None) -> Path:
         ) from None
     verify_sha256(folder)
     return folder
+
+
+def sha256_file(path: str | Path) -> str:
+    """The sha256 hex digest of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_sha256(folder: str | Path) -> None:
+    """Check each weight file of a hub snapshot against the sha256 its cache blob is named after.
+
+    A mismatch deletes the bad blob (so the next load downloads it again) and raises WeightsError.
+    """
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        blob = file.resolve()  # snapshots/<commit>/x.safetensors -> blobs/<sha256>
+        if not re.fullmatch(r"[0-9a-f]{64}", blob.name):
+            continue  # not a hub cache blob (e.g. a copied folder): nothing to compare with
+        digest = sha256_file(blob)
+        if digest != blob.name:
+            blob.unlink()
+            file.unlink()
+            raise WeightsError(f"{file}: sha256 {digest} differs from the hub's {blob.name}; "
+                               "the download is corrupt and was deleted, load again to re-download")

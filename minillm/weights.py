@@ -33,6 +33,11 @@ from minillm.hub import REPO_ID, download
 from minillm.model import CausalLM, ModelConfig, load_weights
 
 
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: per head, interleaved pairs (2i, 2i+1) -> halves (i, i + D/2)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 _GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -52,11 +57,6 @@ def gguf_to_hf_name(name: str) -> str | None:
     if len(parts) == 2 and parts[0] in _GGUF_GLOBAL:
         return f"{_GGUF_GLOBAL[parts[0]]}.{parts[1]}"
     return None
-
-
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: per head, interleaved pairs (2i, 2i+1) -> halves (i, i + D/2)."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 _MISSING = object()
@@ -112,51 +112,27 @@ def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
     return config
 
 
-def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], list[tuple[str, gguf.ReaderTensor]]]:
-    """Check a GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read yet."""
-    path = Path(path)
-    reader = read_gguf(path)
-    config = gguf_config(reader, path)
-    size, shapes, infos = path.stat().st_size, {}, []
-    for t in reader.tensors:
-        name, qtype = gguf_to_hf_name(t.name), t.tensor_type.name
-        if name is None:
-            raise WeightsError(f"{path}: tensor {t.name} has no counterpart in minillm's {config.model_type} model")
-        if name in shapes:
-            raise WeightsError(f"{path}: tensor {t.name} appears twice")
-        if qtype not in GGUF_TYPES:
-            raise WeightsError(f"{path}: tensor {t.name} has type {qtype}; supported: {', '.join(GGUF_TYPES)}")
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
-        block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
-        if not shape or min(shape) < 1 or shape[-1] % block:
-            raise WeightsError(f"{path}: tensor {t.name} has dims {shape}; rows must be whole {qtype} blocks of {block}")
-        n_bytes = math.prod(shape) // block * block_bytes
-        if int(t.n_bytes) != n_bytes or t.data_offset % reader.alignment or t.data_offset + n_bytes > size:
-            raise WeightsError(
-                f"{path}: tensor {t.name} ({qtype} {shape}) needs {n_bytes} bytes at offset {t.data_offset}, "
-                f"aligned to {reader.alignment}, inside the file's {size} bytes"
-            )
-        shapes[name] = shape
-        infos.append((name, t))
-    # The data is the tensors back to back, each padded to the alignment: an edited type or offset
-    # would make two share bytes, or skip some (a float tensor relabelled F16 reads half of itself).
-    end, previous, align = reader.data_offset, "the start of the data", reader.alignment
-    for begin, n_bytes, name in sorted((t.data_offset, int(t.n_bytes), t.name) for _, t in infos):
-        if begin != end:
-            raise WeightsError(f"{path}: tensor {name} starts at byte {begin}, but {previous} ends at {end} "
-                               f"({'overlap' if begin < end else 'a gap'}: an edited type or offset?)")
-        end, previous = -(-(begin + n_bytes) // align) * align, name  # the next one starts aligned
-    if size - end >= align:  # the last tensor shrank (say F32 relabelled F16): bytes nobody reads
-        raise WeightsError(f"{path}: {size - end} bytes after the last tensor, {previous} (an edited type?)")
-
-    return config, shapes, infos
-
-
 def hf_rows(config: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     """A GGUF tensor's rows in Hugging Face's order: llama.cpp permuted a llama model's q and k rows."""
     if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
         return unpermute_qk(w, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
     return w
+
+
+def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], list[tuple[str, gguf.ReaderTensor]]]:
+    """Check a GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read yet."""
+    path = Path(path)
+    reader = read_gguf(path)
+    config = gguf_config(reader, path)
+    shapes, infos = {}, []
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+        _check_gguf_tensor(path, reader, t, name, shape, shapes, config)  # see "Plumbing" below
+        shapes[name] = shape
+        infos.append((name, t))
+    _check_gguf_layout(path, reader, infos)  # the tensors lie back to back, aligned, inside the file
+    return config, shapes, infos
 
 
 def _gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tuple[str, torch.Tensor]]:
@@ -169,11 +145,7 @@ def _gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tu
 
 def _check_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> CausalLM:
     """A model on the meta device, after checking every tensor name and shape against it (no data)."""
-    layers = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
-    n = config.num_hidden_layers  # checked before building: a bad count could mean 10**9 modules
-    if len(layers) != n or (layers and (min(layers), max(layers)) != (0, n - 1)):
-        found = f"{len(layers)} (indices {min(layers)}..{max(layers)})" if layers else "none"
-        raise WeightsError(f"{source}: the config says {n} layers, the weights hold {found}")
+    _check_layer_count(config, shapes, source)  # before building: a bad count could mean 10**9 modules
     with torch.device("meta"):
         model = CausalLM(config)
     try:
@@ -201,6 +173,74 @@ def from_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     """A CausalLM from a GGUF file (llama, qwen2, qwen3), dequantized to `dtype` on `device`."""
     config, shapes, infos = _open_gguf(path)
     return _build(config, shapes, _gguf_tensors(config, shapes, infos), dtype, torch.device(device), str(path))
+
+
+_TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
+    "U32": torch.uint32, "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
+}
+
+
+def stream_safetensors(path: str | Path, header: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a checked safetensors file (see read_safetensors_header), in file order, as a
+    zero-copy view of the memory-mapped file.
+
+    When the next tensor is asked for, the previous one's pages are handed back to the kernel
+    (madvise DONTNEED; they are only a cache of the file and would be read again if touched), so
+    the file never piles up in resident memory while the model is filled.
+    """
+    with open(path, "rb") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # closed when the last view is gone
+    for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, end = (data_start + offset for offset in info["data_offsets"])
+        dtype = _TORCH_DTYPES[info["dtype"]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the mapping is read-only: we only read it
+            flat = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin) \
+                if end > begin else torch.empty(0, dtype=dtype)
+        yield name, flat.view(info["shape"])
+        first_page = begin - begin % mmap.PAGESIZE
+        if hasattr(mapped, "madvise") and end > first_page:
+            mapped.madvise(mmap.MADV_DONTNEED, first_page, end - first_page)
+
+
+def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> CausalLM:
+    """A CausalLM from a Hugging Face folder (config.json + safetensors, whole or sharded).
+
+    device defaults to pick_device(); dtype to default_dtype(device).
+    """
+    folder = Path(folder)
+    device = pick_device() if device is None else torch.device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    where = checkpoint_files(folder)
+    config = ModelConfig.from_json(folder / "config.json")
+    headers = {file: read_safetensors_header(file) for file in sorted(set(where.values()))}
+    shapes = {name: tuple(headers[file][name]["shape"]) for name, file in where.items()}
+    _check_float_dtypes(where, headers)  # same bytes, another meaning: a float relabelled U32 would load as garbage
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file, header in headers.items():
+            yield from stream_safetensors(file, header)  # views of the memory-mapped file, one at a time
+
+    source = str(next(iter(headers))) if len(headers) == 1 else str(folder)  # errors name the file where there is one
+    return _build(config, shapes, tensors(), dtype, device, source)
+
+
+def load_model(model: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> CausalLM:
+    """A CausalLM from a .gguf file, a Hugging Face model folder, or a hub id (cached or downloaded)."""
+    path = Path(model)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        device = pick_device() if device is None else torch.device(device)
+        return from_gguf(path, dtype or default_dtype(device), device)
+    if path.exists():  # a folder (or a file load_folder explains, such as a pickle checkpoint)
+        return load_folder(path, dtype, device)
+    if isinstance(model, str) and REPO_ID.fullmatch(model):
+        return load_folder(download(model), dtype, device)
+    raise FileNotFoundError(f"{model}: not a .gguf file, a model folder or a hub id like Qwen/Qwen2.5-0.5B-Instruct")
 
 
 SAFETENSORS_DTYPES = {
@@ -239,7 +279,12 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
-    data_size = size - 8 - n
+    _check_safetensors_entries(path, header, size - 8 - n)
+    return header
+
+
+def _check_safetensors_entries(path: Path, header: dict, data_size: int) -> None:
+    """Each entry well formed, of a known dtype, shape x item size = its span; the spans tile the data exactly."""
     for name, info in header.items():
         ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)
         ok = ok and all(type(x) is int and x >= 0 for x in info["shape"] + info["data_offsets"])
@@ -265,7 +310,60 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
         position, previous = end, name
     if position != data_size:
         raise WeightsError(f"{path}: {data_size - position} bytes after the last tensor")
-    return header
+
+
+def _check_gguf_tensor(path: Path, reader: gguf.GGUFReader, t: gguf.ReaderTensor, name: str | None,
+                       shape: tuple[int, ...], seen: dict, config: ModelConfig) -> None:
+    """One tensor info against the file: a known name, once; a supported type; whole blocks; its bytes inside the file."""
+    qtype = t.tensor_type.name
+    if name is None:
+        raise WeightsError(f"{path}: tensor {t.name} has no counterpart in minillm's {config.model_type} model")
+    if name in seen:
+        raise WeightsError(f"{path}: tensor {t.name} appears twice")
+    if qtype not in GGUF_TYPES:
+        raise WeightsError(f"{path}: tensor {t.name} has type {qtype}; supported: {', '.join(GGUF_TYPES)}")
+    block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    if not shape or min(shape) < 1 or shape[-1] % block:
+        raise WeightsError(f"{path}: tensor {t.name} has dims {shape}; rows must be whole {qtype} blocks of {block}")
+    n_bytes, size = math.prod(shape) // block * block_bytes, path.stat().st_size
+    if int(t.n_bytes) != n_bytes or t.data_offset % reader.alignment or t.data_offset + n_bytes > size:
+        raise WeightsError(
+            f"{path}: tensor {t.name} ({qtype} {shape}) needs {n_bytes} bytes at offset {t.data_offset}, "
+            f"aligned to {reader.alignment}, inside the file's {size} bytes"
+        )
+
+
+def _check_gguf_layout(path: Path, reader: gguf.GGUFReader, infos: list) -> None:
+    """The tensors' data lies back to back, each padded to the alignment, and nothing follows the last one."""
+    size = path.stat().st_size
+    end, previous, align = reader.data_offset, "the start of the data", reader.alignment
+    for begin, n_bytes, name in sorted((t.data_offset, int(t.n_bytes), t.name) for _, t in infos):
+        if begin != end:
+            raise WeightsError(f"{path}: tensor {name} starts at byte {begin}, but {previous} ends at {end} "
+                               f"({'overlap' if begin < end else 'a gap'}: an edited type or offset?)")
+        end, previous = -(-(begin + n_bytes) // align) * align, name  # the next one starts aligned
+    if size - end >= align:  # the last tensor shrank (say F32 relabelled F16): bytes nobody reads
+        raise WeightsError(f"{path}: {size - end} bytes after the last tensor, {previous} (an edited type?)")
+
+
+def _check_layer_count(config: ModelConfig, shapes: dict, source: str) -> None:
+    """The config's layer count against the layers the tensors name (before building: 10**9 layers would be 10**9 modules)."""
+    layers = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    n = config.num_hidden_layers
+    if len(layers) != n or (layers and (min(layers), max(layers)) != (0, n - 1)):
+        found = f"{len(layers)} (indices {min(layers)}..{max(layers)})" if layers else "none"
+        raise WeightsError(f"{source}: the config says {n} layers, the weights hold {found}")
+
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _check_float_dtypes(where: dict[str, Path], headers: dict[Path, dict]) -> None:
+    """Weights are floating point: same bytes, another meaning, and a float relabelled U32 would load as garbage."""
+    for name, file in where.items():
+        if headers[file][name]["dtype"] not in FLOAT_DTYPES:
+            raise WeightsError(f"{file}: tensor {name} has dtype {headers[file][name]['dtype']}; "
+                               f"weights are floating point ({', '.join(FLOAT_DTYPES)})")
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -325,77 +423,3 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
         if where.get(name) != file:
             raise WeightsError(f"{index}: tensor {name} is listed in {file.name} but that shard does not hold it")
     return where
-
-
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-
-
-def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> CausalLM:
-    """A CausalLM from a Hugging Face folder (config.json + safetensors, whole or sharded).
-
-    device defaults to pick_device(); dtype to default_dtype(device).
-    """
-    folder = Path(folder)
-    device = pick_device() if device is None else torch.device(device)
-    dtype = default_dtype(device) if dtype is None else dtype
-    where = checkpoint_files(folder)
-    config = ModelConfig.from_json(folder / "config.json")
-    headers = {file: read_safetensors_header(file) for file in sorted(set(where.values()))}
-    shapes = {name: tuple(headers[file][name]["shape"]) for name, file in where.items()}
-    for name, file in where.items():  # same bytes, another meaning: a float relabelled U32 would load as garbage
-        if headers[file][name]["dtype"] not in FLOAT_DTYPES:
-            raise WeightsError(f"{file}: tensor {name} has dtype {headers[file][name]['dtype']}; "
-                               f"weights are floating point ({', '.join(FLOAT_DTYPES)})")
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for file, header in headers.items():
-            yield from stream_safetensors(file, header)  # views of the memory-mapped file, one at a time
-
-    source = str(next(iter(headers))) if len(headers) == 1 else str(folder)  # errors name the file where there is one
-    return _build(config, shapes, tensors(), dtype, device, source)
-
-
-_TORCH_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
-    "U32": torch.uint32, "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
-}
-
-
-def stream_safetensors(path: str | Path, header: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a checked safetensors file (see read_safetensors_header), in file order, as a
-    zero-copy view of the memory-mapped file.
-
-    When the next tensor is asked for, the previous one's pages are handed back to the kernel
-    (madvise DONTNEED; they are only a cache of the file and would be read again if touched), so
-    the file never piles up in resident memory while the model is filled.
-    """
-    with open(path, "rb") as f:
-        data_start = 8 + int.from_bytes(f.read(8), "little")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # closed when the last view is gone
-    for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
-        begin, end = (data_start + offset for offset in info["data_offsets"])
-        dtype = _TORCH_DTYPES[info["dtype"]]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns that the mapping is read-only: we only read it
-            flat = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin) \
-                if end > begin else torch.empty(0, dtype=dtype)
-        yield name, flat.view(info["shape"])
-        first_page = begin - begin % mmap.PAGESIZE
-        if hasattr(mapped, "madvise") and end > first_page:
-            mapped.madvise(mmap.MADV_DONTNEED, first_page, end - first_page)
-
-
-def load_model(model: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> CausalLM:
-    """A CausalLM from a .gguf file, a Hugging Face model folder, or a hub id (cached or downloaded)."""
-    path = Path(model)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        device = pick_device() if device is None else torch.device(device)
-        return from_gguf(path, dtype or default_dtype(device), device)
-    if path.exists():  # a folder (or a file load_folder explains, such as a pickle checkpoint)
-        return load_folder(path, dtype, device)
-    if isinstance(model, str) and REPO_ID.fullmatch(model):
-        return load_folder(download(model), dtype, device)
-    raise FileNotFoundError(f"{model}: not a .gguf file, a model folder or a hub id like Qwen/Qwen2.5-0.5B-Instruct")
