@@ -60,9 +60,6 @@ class LLM:
                 yield step.text
 
 
-QUANTIZE = (*MODES, "gguf")  # notebook 13's modes, and keeping a .gguf file's own blocks
-
-
 def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
          device: str | torch.device | None = None, quantize: str | None = None, group_size: int = 32,
          fast: bool = False, compile: bool = False) -> LLM:
@@ -71,36 +68,19 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     quantize (notebook 13): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
     the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1 blocks quantized (CPU).
     fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too."""
-    if quantize not in (None, *QUANTIZE):
-        raise ValueError(f"unknown quantize {quantize!r}; choose one of: {', '.join(QUANTIZE)} (or None)")
-    if quantize == "int4" and group_size not in GROUP_SIZES:  # each layer's K is checked when quantized
-        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
-    if quantize != "int4" and group_size != 32:
-        raise ValueError(f"group_size {group_size} applies to quantize='int4' only, got quantize={quantize!r}")
-    if compile and not fast:
-        raise ValueError("compile=True compiles the fast path: pass fast=True too")
-    if fast and quantize == "gguf":
-        raise ValueError("fast=True rebuilds the layers from float weights and cannot keep GGUF blocks; "
-                         "use quantize='int4' (the same 4-bit grid as Q4_0/Q4_1 at group_size 32)")
+    _check_options(quantize, group_size, fast, compile)  # before any work (Plumbing, below)
     source = embedded_gguf_path() if model is None else model
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     path = Path(source)
-    if quantize == "gguf" and (path.suffix != ".gguf" or device not in (None, "auto", "cpu")
-                               or dtype not in (None, torch.float32)):
-        raise ValueError(f"quantize='gguf' keeps a .gguf file's blocks and runs on cpu in float32; "
-                         f"got model {source}, device {device}, dtype {dtype}")
+    if quantize == "gguf":
+        _check_gguf_source(source, device, dtype)
     tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # fails before the weights
     if quantize == "gguf":
-        net = load_gguf_quantized(path)
+        net = load_gguf_quantized(path)  # notebook 13: the file's own 4-bit blocks, never float weights
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
-        if fast:
-            net = FastCausalLM(net, quantize=quantize, group_size=group_size)
-            if compile:
-                net.compile()
-        elif quantize is not None:
-            net = quantize_model(net, quantize, group_size)
+        net = _weight_options(net, quantize, group_size, fast, compile)  # notebooks 13 and 15
     return LLM(net, tokenizer if tokenizer is not None else load_tokenizer(source))  # a hub id: cached by now
 
 
@@ -112,3 +92,39 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
     if path.is_dir():
         return Tokenizer.from_folder(path)
     return Tokenizer.from_folder(download(str(source)))  # a hub id: load_model has put it in the cache
+
+
+QUANTIZE = (*MODES, "gguf")  # notebook 13's modes, and keeping a .gguf file's own blocks
+
+
+def _check_options(quantize: str | None, group_size: int, fast: bool, compile: bool) -> None:
+    """load's options, checked together before anything is read: ValueError naming the conflict."""
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"unknown quantize {quantize!r}; choose one of: {', '.join(QUANTIZE)} (or None)")
+    if quantize == "int4" and group_size not in GROUP_SIZES:  # each layer's K is checked when quantized
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    if quantize != "int4" and group_size != 32:
+        raise ValueError(f"group_size {group_size} applies to quantize='int4' only, got quantize={quantize!r}")
+    if compile and not fast:
+        raise ValueError("compile=True compiles the fast path: pass fast=True too")
+    if fast and quantize == "gguf":
+        raise ValueError("fast=True rebuilds the layers from float weights and cannot keep GGUF blocks; "
+                         "use quantize='int4' (the same 4-bit grid as Q4_0/Q4_1 at group_size 32)")
+
+
+def _check_gguf_source(source: str | Path, device: str | torch.device | None, dtype: torch.dtype | None) -> None:
+    """quantize='gguf' needs a .gguf file, the CPU and float32."""
+    if Path(source).suffix != ".gguf" or device not in (None, "auto", "cpu") or dtype not in (None, torch.float32):
+        raise ValueError(f"quantize='gguf' keeps a .gguf file's blocks and runs on cpu in float32; "
+                         f"got model {source}, device {device}, dtype {dtype}")
+
+
+def _weight_options(net: CausalLM, quantize: str | None, group_size: int, fast: bool, compile: bool):
+    """Float weights as loaded -> the fast path (notebook 15), or quantized linears (notebook 13), or as they are."""
+    if fast:
+        net = FastCausalLM(net, quantize=quantize, group_size=group_size)
+        if compile:
+            net.compile()
+    elif quantize is not None:
+        net = quantize_model(net, quantize, group_size)
+    return net

@@ -25,66 +25,6 @@ from minillm.sampling import SamplingParams, make_generator, sample
 from minillm.tokenizer import StreamDecoder, Tokenizer
 
 
-@dataclass
-class Metrics:
-    """What one generation cost. Times in milliseconds; memory in MiB (process peak RSS on CPU,
-    torch.cuda.max_memory_allocated on CUDA)."""
-
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_ms: float
-    time_to_first_token_ms: float
-    decode_ms_per_token: float
-    tokens_per_s: float
-    peak_memory_mib: float
-    device: str
-
-    def __str__(self) -> str:
-        return (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens}; "
-                f"prefill {self.prefill_ms:.0f} ms ({self.prompt_tokens / max(self.prefill_ms, 1e-9) * 1e3:.0f} tok/s), "
-                f"first token {self.time_to_first_token_ms:.0f} ms, decode {self.decode_ms_per_token:.1f} ms/token "
-                f"({self.tokens_per_s:.1f} tok/s), peak memory {self.peak_memory_mib:.0f} MiB on {self.device}")
-
-
-@dataclass
-class Step:
-    """One step of the loop: the text it completed ('' while a character or a possible stop
-    string is pending), the token chosen and its logprob; the last step has finish_reason and metrics."""
-
-    text: str
-    token_id: int | None = None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: str | None = None
-    metrics: Metrics | None = None
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    metrics: Metrics
-    logprobs: list[float] = field(default_factory=list)
-
-
-def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int, vocab_size: int) -> list[int]:
-    """The one check of a request's prompt and length, for `stream`, `generate_batch` and the engine:
-    the ids as a list of ints, or ValueError naming what is wrong and the numbers involved."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    ids = [operator.index(i) for i in prompt_ids]  # TypeError for floats and strings
-    if not ids:
-        raise ValueError("the prompt is empty: at least one token is needed")
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
-    if bad is not None:  # checked here, in Python: the model reads ids on a GPU without checking them
-        raise ValueError(f"token id {bad} is out of range: the model's vocabulary has {vocab_size} ids")
-    if len(ids) >= context:
-        raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {context}; "
-                         "shorten the prompt (at least one token must be left to generate)")
-    return ids
-
-
 class StopStrings:
     """Holds back text that might be the start of a stop string; finds the first complete one."""
 
@@ -139,6 +79,83 @@ class TextStream:
         return text if hit else text + self.stops.flush()
 
 
+@dataclass
+class Metrics:
+    """What one generation cost. Times in milliseconds; memory in MiB (process peak RSS on CPU,
+    torch.cuda.max_memory_allocated on CUDA)."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_ms: float
+    time_to_first_token_ms: float
+    decode_ms_per_token: float
+    tokens_per_s: float
+    peak_memory_mib: float
+    device: str
+
+    def __str__(self) -> str:
+        return (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens}; "
+                f"prefill {self.prefill_ms:.0f} ms ({self.prompt_tokens / max(self.prefill_ms, 1e-9) * 1e3:.0f} tok/s), "
+                f"first token {self.time_to_first_token_ms:.0f} ms, decode {self.decode_ms_per_token:.1f} ms/token "
+                f"({self.tokens_per_s:.1f} tok/s), peak memory {self.peak_memory_mib:.0f} MiB on {self.device}")
+
+
+def _metrics(prompt_tokens: int, generated: int, start: float, prefill_done: float, first_token_at: float,
+             end: float, device: torch.device) -> Metrics:
+    """Metrics from the loop's four clock readings (seconds): the first token's time is in the
+    time to first token, so decoding is the generated - 1 tokens after it."""
+    decode_s = end - first_token_at
+    return Metrics(
+        prompt_tokens=prompt_tokens,
+        generated_tokens=generated,
+        prefill_ms=(prefill_done - start) * 1e3,
+        time_to_first_token_ms=(first_token_at - start) * 1e3,
+        decode_ms_per_token=decode_s * 1e3 / max(generated - 1, 1),
+        tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+        peak_memory_mib=peak_memory_mib(device),
+        device=device.type,
+    )
+
+
+def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int, vocab_size: int) -> list[int]:
+    """The one check of a request's prompt and length, for `stream`, `generate_batch` and the engine:
+    the ids as a list of ints, or ValueError naming what is wrong and the numbers involved."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    ids = [operator.index(i) for i in prompt_ids]  # TypeError for floats and strings
+    if not ids:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:  # checked here, in Python: the model reads ids on a GPU without checking them
+        raise ValueError(f"token id {bad} is out of range: the model's vocabulary has {vocab_size} ids")
+    if len(ids) >= context:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {context}; "
+                         "shorten the prompt (at least one token must be left to generate)")
+    return ids
+
+
+@dataclass
+class Step:
+    """One step of the loop: the text it completed ('' while a character or a possible stop
+    string is pending), the token chosen and its logprob; the last step has finish_reason and metrics."""
+
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+    metrics: Metrics | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: Metrics
+    logprobs: list[float] = field(default_factory=list)
+
+
 @torch.no_grad()
 def stream(
     model: CausalLM,
@@ -178,18 +195,7 @@ def stream(
             logits = model(pick.tokens.view(1, 1), cache=cache, start_pos=len(seen) - 1)[:, -1]  # decode: (1, V)
             yield step
     end = synchronized_time(device)
-    generated = len(seen) - len(prompt_ids)
-    decode_s = end - first_token_at
-    step.metrics = Metrics(
-        prompt_tokens=len(prompt_ids),
-        generated_tokens=generated,
-        prefill_ms=(prefill_done - start) * 1e3,
-        time_to_first_token_ms=(first_token_at - start) * 1e3,
-        decode_ms_per_token=decode_s * 1e3 / max(generated - 1, 1),
-        tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
-        peak_memory_mib=peak_memory_mib(device),
-        device=device.type,
-    )
+    step.metrics = _metrics(len(prompt_ids), len(seen) - len(prompt_ids), start, prefill_done, first_token_at, end, device)
     yield step
 
 
