@@ -3,18 +3,20 @@
 """The paged KV cache: keys and values in fixed-size blocks, shared between sequences by prefix.
 
 Built in notebooks/11_paged_cache.ipynb, after vLLM's PagedAttention (Kwon et al., "Efficient
-Memory Management for Large Language Model Serving with PagedAttention", SOSP 2023,
-https://arxiv.org/abs/2309.06180) and nano-vllm's block manager
-(https://github.com/GeeeekExplorer/nano-vllm, engine/block_manager.py), in plain PyTorch.
+Memory Management for Large Language Model Serving with PagedAttention", SOSP 2023) and the
+block manager of nano-vllm, in plain PyTorch.
 
 Each layer keeps a pool of blocks, k and v of shape (num_blocks, block_size, Hkv, D)
-(`PagedKVCache`). A pure-Python `BlockManager` hands blocks to sequences: a free list,
-reference counts, a block table per sequence, prefix caching by a chained hash of each full
-block's tokens, copy-on-write for a shared block that must change. Token `p` of a sequence
-lives in slot `table[p // block_size] * block_size + p % block_size` of the flattened pool.
-`batch_layout` turns the block tables of a batch into index tensors, and `PagedView` is what the
-model sees as `cache[i]`: it writes the new keys/values into their slots and gathers each
-sequence's keys/values into a dense, right-aligned (B, Hkv, S, D) batch.
+(`PagedKVCache`). A pure-Python `BlockManager` hands blocks to sequences, built in three stages
+(each a class the next one extends): `BlockPool` and `BlockAllocator` (a free list, reference
+counts, a block table per sequence), `PrefixCache` and `PrefixCachingAllocator` (prefix caching
+by a chained hash of each full block's tokens), `BlockManager` (copy-on-write for a shared block
+that must change). Token `p` of a sequence lives in slot
+`table[p // block_size] * block_size + p % block_size` of the flattened pool. `batch_layout`
+turns the block tables of a batch into index tensors, and `PagedView` is what the model sees as
+`cache[i]`: it writes the new keys/values into their slots and gathers each sequence's
+keys/values into a dense, right-aligned (B, Hkv, S, D) batch (a copy per layer per step, not
+yet paged attention).
 
 Shape legend: B batch, T new tokens, S keys, Hkv kv heads, D head dim, N blocks, bs block size.
 """
@@ -27,39 +29,86 @@ from dataclasses import dataclass
 import torch
 
 
-class BlockManager:
-    """Which blocks of the pool each sequence owns: free list, reference counts, block tables.
+def _check_pool(num_blocks: int, block_size: int) -> None:
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(f"BlockManager: num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
 
-    Prefix caching (when enabled): a full block is keyed by `hash((parent_hash, tokens))`, the
-    hash of its tokens chained with the hash of every block before it, so equal keys mean equal
-    prefixes and therefore equal keys/values. `allocate` reuses the longest cached chain of the
-    prompt's full blocks. A freed block whose hash is known stays findable until the free list
-    hands it out again (freed blocks go to the back of the list, new ones come from the front,
-    so the most recently freed are reused last). Counters: `queries` counts the full prompt
-    blocks looked up by `allocate`, `hits` those found; `hits / queries` is the hit rate.
 
-    Blocks are accounted before they are computed. A block filled by decoding becomes findable
-    only when the sequence appends past it (its last token has been through a forward by then).
-    A prompt's full blocks are findable as soon as `allocate` returns, so its prefill must run
-    before, or in the same batch as, the forward of a later sequence that reuses them (in one
-    batched forward every layer writes all new keys before it gathers). A hit is confirmed by
-    the block's own tokens; the parent chain is trusted to the hash.
-    """
+def _check_known(manager, seq_id) -> None:
+    if seq_id not in manager.tables:
+        raise ValueError(f"unknown seq_id {seq_id!r}: allocate it first (known: {list(manager.tables)})")
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"BlockManager: num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+
+def _check_allocate(manager, seq_id, token_ids: list[int], need: int) -> None:
+    if seq_id in manager.tables:
+        raise ValueError(f"allocate: seq_id {seq_id!r} already has blocks")
+    if len(token_ids) == 0:
+        raise ValueError("allocate: token_ids is empty, a prompt needs at least one token")
+    if need > manager.num_free_blocks:
+        raise ValueError(f"allocate: seq_id {seq_id!r} needs {need} free blocks, only {manager.num_free_blocks} are free")
+
+
+def _check_fork(manager, seq_id, new_seq_id) -> None:
+    _check_known(manager, seq_id)
+    if new_seq_id in manager.tables:
+        raise ValueError(f"fork: seq_id {new_seq_id!r} already has blocks")
+
+
+def _check_append(manager, seq_id) -> None:
+    if not manager.can_append(seq_id):  # can_append checks that seq_id is known
+        raise ValueError(f"append: seq_id {seq_id!r} needs 1 free block, 0 are free")
+
+
+def _check_position(n: int, seq_id, position: int) -> None:
+    if not 0 <= position < n:
+        raise ValueError(f"slot: position must be in [0, {n}) for seq_id {seq_id!r}, got {position}")
+
+
+def _check_pool_shape(shape: tuple[int, ...]) -> None:
+    if min(shape) < 1:
+        raise ValueError(f"PagedKVCache: every size must be >= 1, got (N, bs, Hkv, D) = {shape}")
+
+
+def _check_gather(num_blocks: int, bs: int, length: int) -> None:
+    if not 0 < length <= num_blocks * bs:
+        raise ValueError(f"gather_reference: length must be in [1, {num_blocks * bs}] "
+                         f"for {num_blocks} blocks of {bs}, got {length}")
+
+
+def _check_layout(seq_ids: list, new_tokens, new: list[int], lengths: list[int], sink_slot: int | None) -> None:
+    if not seq_ids or len(new) != len(seq_ids) or not all(1 <= n <= L for n, L in zip(new, lengths)):
+        raise ValueError(f"batch_layout: need 1 <= new tokens <= length for each sequence, "
+                         f"got new_tokens {new_tokens}, lengths {lengths}")
+    if len(set(new)) > 1 and sink_slot is None:
+        raise ValueError(f"batch_layout: rows with different new-token counts {new} need a sink_slot "
+                         "for their padding queries")
+
+
+def _check_update(layout, pool_shape, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    (B, T), (N, bs, Hkv, D) = layout.slots.shape, pool_shape
+    if pos != layout.start_pos or k.shape != (B, Hkv, T, D) or v.shape != k.shape:
+        raise ValueError(f"PagedView.update: expected pos {layout.start_pos} and k, v (B, Hkv, T, D) = "
+                         f"{(B, Hkv, T, D)}, got pos {pos}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def _check_forward(model, cache: list, seq_ids: list, input_ids: torch.Tensor) -> None:
+    if len(cache) != model.config.num_hidden_layers:
+        raise ValueError(f"paged_forward: cache has {len(cache)} layers, the model {model.config.num_hidden_layers}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != len(seq_ids):
+        raise ValueError(f"paged_forward: input_ids must be (B, T) with B = len(seq_ids) = {len(seq_ids)}, "
+                         f"got {tuple(input_ids.shape)}")
+
+
+class BlockPool:
+    """The state of the pool: a free list, a reference count per block, a block table per sequence."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16):
+        _check_pool(num_blocks, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.free_list: deque[int] = deque(range(num_blocks))   # blocks nobody uses
-        self.ref_count = [0] * num_blocks                        # users of each block
-        self.block_hash: list[int | None] = [None] * num_blocks  # chained hash of a full block
-        self.block_tokens: list[tuple | None] = [None] * num_blocks  # its tokens, to confirm a hit
-        self.cached: dict[int, int] = {}                         # hash -> block holding those keys/values
+        self.free_list: deque[int] = deque(range(num_blocks))  # blocks nobody uses
+        self.ref_count = [0] * num_blocks                       # users of each block
         self.tables: dict[object, list[int]] = {}               # seq_id -> block table
         self.tokens: dict[object, list[int]] = {}               # seq_id -> token ids accounted
-        self.copies: list[tuple[int, int]] = []                  # pending copy-on-write (src, dst)
-        self.hits = self.queries = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,11 +118,130 @@ class BlockManager:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
-    # -- prefix cache --------------------------------------------------------------------------
+    def _take_free(self) -> int:  # the block at the front of the free list, now used once
+        block = self.free_list.popleft()
+        self.ref_count[block] = 1
+        return block
+
+    def _share(self, block: int) -> int:  # one more user (an idle cached block leaves the free list)
+        if self.ref_count[block] == 0:
+            self.free_list.remove(block)
+        self.ref_count[block] += 1
+        return block
+
+    def _release(self, block: int) -> None:  # one user fewer; unused, it joins the back of the free list
+        self.ref_count[block] -= 1
+        assert self.ref_count[block] >= 0, f"block {block} freed twice"
+        if self.ref_count[block] == 0:
+            self.free_list.append(block)
+
+    def block_table(self, seq_id) -> list[int]:
+        _check_known(self, seq_id)
+        return list(self.tables[seq_id])
+
+    def num_tokens(self, seq_id) -> int:
+        _check_known(self, seq_id)
+        return len(self.tokens[seq_id])
+
+    def slot(self, seq_id, position: int) -> int:
+        """Where token `position` of the sequence lives in the flattened pool: block * block_size + offset."""
+        _check_position(self.num_tokens(seq_id), seq_id, position)
+        return self.tables[seq_id][position // self.block_size] * self.block_size + position % self.block_size
+
+
+class BlockAllocator(BlockPool):
+    """Stage 1: sequences take blocks as they grow and give them back when done; `fork` shares them."""
+
+    def _need(self, token_ids: list[int]) -> tuple[list[int], int]:  # (cached blocks to reuse, free blocks to take)
+        return [], self.blocks_needed(len(token_ids))
+
+    def can_allocate(self, token_ids: list[int]) -> bool:
+        """Are there enough free blocks for this prompt, counting prefix-cache hits?"""
+        return self._need(token_ids)[1] <= self.num_free_blocks
+
+    def _fill(self, table: list[int], token_ids: list[int]) -> list[int]:  # free blocks until table holds token_ids
+        while len(table) < self.blocks_needed(len(token_ids)):
+            table.append(self._take_free())
+        return table
+
+    def allocate(self, seq_id, token_ids: list[int]) -> int:
+        """Give the prompt a block table; return how many leading tokens are already cached."""
+        hits, need = self._need(token_ids)
+        _check_allocate(self, seq_id, token_ids, need)
+        self.tables[seq_id] = self._fill([self._share(b) for b in hits], token_ids)
+        self.tokens[seq_id] = list(token_ids)
+        return len(hits) * self.block_size
+
+    def can_append(self, seq_id) -> bool:
+        """Is there room for one more token (a free block if the last one is full)?"""
+        _check_known(self, seq_id)
+        return len(self.tokens[seq_id]) % self.block_size != 0 or self.num_free_blocks > 0
+
+    def append(self, seq_id, token_id: int) -> None:
+        """Account one more token: a new block when the last one is full."""
+        _check_append(self, seq_id)
+        if len(self.tokens[seq_id]) % self.block_size == 0:
+            self.tables[seq_id].append(self._take_free())
+        self.tokens[seq_id].append(int(token_id))
+
+    def free(self, seq_id) -> None:
+        """Release the sequence's blocks, the last ones first (so a shared prefix is reused last)."""
+        _check_known(self, seq_id)
+        for block in reversed(self.tables.pop(seq_id)):
+            self._release(block)
+        del self.tokens[seq_id]
+
+    def fork(self, seq_id, new_seq_id) -> None:
+        """A new sequence sharing every block of `seq_id` (parallel sampling, beam search)."""
+        _check_fork(self, seq_id, new_seq_id)
+        self.tables[new_seq_id] = [self._share(b) for b in self.tables[seq_id]]
+        self.tokens[new_seq_id] = list(self.tokens[seq_id])
+
+
+class PrefixCache(BlockAllocator):
+    """Stage 2a: each full block is named by a chained hash of its tokens, so a later prompt can find it."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        super().__init__(num_blocks, block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_hash: list[int | None] = [None] * num_blocks      # chained hash of a full block
+        self.block_tokens: list[tuple | None] = [None] * num_blocks  # its tokens, to confirm a hit
+        self.cached: dict[int, int] = {}                             # hash -> block holding those keys/values
+        self.hits = self.queries = 0                                 # full prompt blocks found / looked up
+
     @staticmethod
     def chain_hash(parent: int | None, tokens) -> int:
         """The key of a full block: its tokens and (through `parent`) everything before them."""
         return hash((parent, tuple(tokens)))
+
+    def _register(self, block: int, parent: int | None, tokens) -> None:
+        """Record a full block's chained hash (and make it findable, if no block holds it yet)."""
+        self.block_hash[block] = self.chain_hash(parent, tokens)
+        self.block_tokens[block] = tuple(tokens)
+        if self.enable_prefix_caching:
+            self.cached.setdefault(self.block_hash[block], block)
+
+    def _take_free(self) -> int:  # as in stage 1, and the block forgets the prefix it held
+        block = super()._take_free()
+        h = self.block_hash[block]
+        if h is not None and self.cached.get(h) == block:
+            del self.cached[h]
+        self.block_hash[block] = self.block_tokens[block] = None
+        return block
+
+    def _fill(self, table: list[int], token_ids: list[int]) -> list[int]:  # as in stage 1, registering full blocks
+        bs, n_full = self.block_size, len(token_ids) // self.block_size
+        parent = self.block_hash[table[-1]] if table else None
+        for i in range(len(table), self.blocks_needed(len(token_ids))):
+            table.append(self._take_free())
+            if i < n_full:  # a full block: findable by later prompts
+                self._register(table[-1], parent, token_ids[i * bs : (i + 1) * bs])
+                parent = self.block_hash[table[-1]]
+        return table
+
+
+class PrefixCachingAllocator(PrefixCache):
+    """Stage 2b: a prompt reuses the longest chain of its leading full blocks found in the cache."""
 
     def prefix_hits(self, token_ids: list[int]) -> list[int]:
         """The cached blocks that hold the longest chain of the prompt's leading full blocks."""
@@ -89,146 +257,76 @@ class BlockManager:
             found.append(block)
         return found
 
-    def _register(self, block: int, parent: int | None, tokens) -> None:
-        """Record a full block's chained hash (and make it findable, if no block holds it yet)."""
-        self.block_hash[block] = self.chain_hash(parent, tokens)
-        self.block_tokens[block] = tuple(tokens)
-        if self.enable_prefix_caching:
-            self.cached.setdefault(self.block_hash[block], block)
-
-    def _take_free(self) -> int:
-        """A block from the front of the free list; it forgets the prefix it held."""
-        block = self.free_list.popleft()
-        h = self.block_hash[block]
-        if h is not None and self.cached.get(h) == block:
-            del self.cached[h]
-        self.block_hash[block] = self.block_tokens[block] = None
-        self.ref_count[block] = 1
-        return block
-
-    def _share(self, block: int) -> int:
-        if self.ref_count[block] == 0:  # cached but unused: take it back from the free list
-            self.free_list.remove(block)
-        self.ref_count[block] += 1
-        return block
-
-    # -- sequences -----------------------------------------------------------------------------
     def _need(self, token_ids: list[int]) -> tuple[list[int], int]:
-        """(cached blocks to reuse, free blocks the prompt takes from the free list)."""
         hits = self.prefix_hits(token_ids)
-        fully_cached = len(hits) * self.block_size == len(token_ids)
-        need = self.blocks_needed(len(token_ids)) - len(hits) + int(fully_cached)  # +1: copy of the last
-        need += sum(self.ref_count[b] == 0 for b in hits)  # idle cached blocks come off the free list
-        return hits, need
-
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        """Are there enough free blocks for this prompt, counting prefix-cache hits?"""
-        return self._need(token_ids)[1] <= self.num_free_blocks
+        if hits and len(hits) * self.block_size == len(token_ids):
+            hits = hits[:-1]  # its last token must be computed (for its logits): so, here, its whole block
+        need = self.blocks_needed(len(token_ids)) - len(hits)
+        return hits, need + sum(self.ref_count[b] == 0 for b in hits)  # idle cached blocks leave the free list
 
     def allocate(self, seq_id, token_ids: list[int]) -> int:
-        """Give the prompt a block table; return how many leading tokens are already cached.
+        cached = super().allocate(seq_id, token_ids)
+        self.hits += cached // self.block_size  # counters: hits / queries is the hit rate
+        self.queries += len(token_ids) // self.block_size if self.enable_prefix_caching else 0
+        return cached
 
-        The count is a multiple of block_size, except when every block of the prompt is cached:
-        then the last token is recomputed (its logits are needed), so the count is len - 1 and the
-        last block is copied on write (see `take_copies`).
-        """
-        if seq_id in self.tables:
-            raise ValueError(f"allocate: seq_id {seq_id!r} already has blocks")
-        if len(token_ids) == 0:
-            raise ValueError("allocate: token_ids is empty, a prompt needs at least one token")
-        hits, need = self._need(token_ids)
-        if need > self.num_free_blocks:
-            raise ValueError(f"allocate: seq_id {seq_id!r} needs {need} free blocks, only {self.num_free_blocks} are free")
-        bs, n_full = self.block_size, len(token_ids) // self.block_size
-        self.queries += n_full if self.enable_prefix_caching else 0
-        self.hits += len(hits)
-        table = [self._share(b) for b in hits]
-        parent = self.block_hash[table[-1]] if table else None
-        for i in range(len(hits), self.blocks_needed(len(token_ids))):
-            table.append(self._take_free())
-            if i < n_full:  # a full block: findable by later prompts
-                self._register(table[-1], parent, token_ids[i * bs : (i + 1) * bs])
-                parent = self.block_hash[table[-1]]
-        self.tables[seq_id], self.tokens[seq_id] = table, list(token_ids)
-        cached = len(hits) * bs
-        if cached == len(token_ids):  # all cached: recompute the last token in a private copy
+    def append(self, seq_id, token_id: int) -> None:
+        """As stage 1; a block filled by decoding is registered when the sequence moves past it."""
+        _check_append(self, seq_id)
+        table, tokens, bs = self.tables[seq_id], self.tokens[seq_id], self.block_size
+        if len(tokens) % bs == 0 and self.block_hash[table[-1]] is None:  # all of it computed by now
+            self._register(table[-1], self.block_hash[table[-2]] if len(table) > 1 else None, tokens[-bs:])
+        super().append(seq_id, token_id)
+
+
+class BlockManager(PrefixCachingAllocator):
+    """Stage 3, what the engine uses: copy-on-write, a shared block that must change is copied first.
+
+    A prompt's full blocks are findable once `allocate` returns: its prefill must run before, or in
+    the same batch as, the forward of a later sequence that reuses them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.copies: list[tuple[int, int]] = []  # pending copy-on-write (src, dst)
+
+    def _need(self, token_ids: list[int]) -> tuple[list[int], int]:
+        hits = self.prefix_hits(token_ids)  # all of them, now: a fully cached prompt copies its last block
+        fully_cached = len(hits) * self.block_size == len(token_ids)
+        need = self.blocks_needed(len(token_ids)) - len(hits) + int(fully_cached)  # +1: the copy
+        return hits, need + sum(self.ref_count[b] == 0 for b in hits)
+
+    def allocate(self, seq_id, token_ids: list[int]) -> int:
+        """As stage 2; a fully cached prompt gets a private copy of its last block and reports len - 1."""
+        cached = super().allocate(seq_id, token_ids)
+        if cached == len(token_ids):  # recompute the last token (its logits are needed) in the copy
             self._copy_on_write(seq_id)
             cached -= 1
         return cached
 
-    def _copy_on_write(self, seq_id) -> None:
-        """Replace the sequence's (shared) last block by a private copy, recorded in `copies`."""
-        table = self.tables[seq_id]
-        src = table[-1]
-        dst = self._take_free()
-        self.block_hash[dst], self.block_tokens[dst] = self.block_hash[src], self.block_tokens[src]  # same contents
-        self.ref_count[src] -= 1
-        if self.ref_count[src] == 0:  # an idle cached block: back to the free list, still findable
-            self.free_list.append(src)
-        table[-1] = dst
+    def _copy_on_write(self, seq_id) -> None:  # the sequence's last block -> a private copy, recorded
+        src, dst = self.tables[seq_id][-1], self._take_free()
+        self.block_hash[dst], self.block_tokens[dst] = self.block_hash[src], self.block_tokens[src]
+        self._release(src)  # an idle cached block goes back to the free list, still findable
+        self.tables[seq_id][-1] = dst
         self.copies.append((src, dst))
 
-    def fork(self, seq_id, new_seq_id) -> None:
-        """A new sequence sharing every block of `seq_id` (parallel sampling, beam search)."""
-        self._check(seq_id)
-        if new_seq_id in self.tables:
-            raise ValueError(f"fork: seq_id {new_seq_id!r} already has blocks")
-        self.tables[new_seq_id] = [self._share(b) for b in self.tables[seq_id]]
-        self.tokens[new_seq_id] = list(self.tokens[seq_id])
-
-    def can_append(self, seq_id) -> bool:
-        """Is there room for one more token (a free block if the last one is full or shared)?"""
-        self._check(seq_id)
+    def can_append(self, seq_id) -> bool:  # room for one more token: a free block if the last is full or shared
+        _check_known(self, seq_id)
         n, last = len(self.tokens[seq_id]), self.tables[seq_id][-1]
         return n % self.block_size != 0 and self.ref_count[last] == 1 or self.num_free_blocks > 0
 
     def append(self, seq_id, token_id: int) -> None:
-        """Account one more token: a new block when the last is full, a copy when it is shared."""
-        if not self.can_append(seq_id):
-            raise ValueError(f"append: seq_id {seq_id!r} needs 1 free block, 0 are free")
-        table, tokens, bs = self.tables[seq_id], self.tokens[seq_id], self.block_size
-        if len(tokens) % bs == 0:  # the last block is full
-            if self.block_hash[table[-1]] is None:  # filled by decoding, all of it computed by now
-                parent = self.block_hash[table[-2]] if len(table) > 1 else None
-                self._register(table[-1], parent, tokens[-bs:])
-            table.append(self._take_free())
-        elif self.ref_count[table[-1]] > 1:
+        """As stage 2; a token that would land in a shared block first gets the block copied."""
+        _check_append(self, seq_id)
+        if len(self.tokens[seq_id]) % self.block_size != 0 and self.ref_count[self.tables[seq_id][-1]] > 1:
             self._copy_on_write(seq_id)
-        tokens.append(int(token_id))
+        super().append(seq_id, token_id)
 
     def take_copies(self) -> list[tuple[int, int]]:
-        """Pending (src, dst) block copies from copy-on-write; apply them to every layer before the next forward."""
+        """Pending (src, dst) block copies; apply them to every layer before the next forward."""
         copies, self.copies = self.copies, []
         return copies
-
-    def free(self, seq_id) -> None:
-        """Release the sequence's blocks; those with no user left go to the back of the free list."""
-        self._check(seq_id)
-        for block in reversed(self.tables.pop(seq_id)):  # last blocks first: the prefix is reused last
-            self.ref_count[block] -= 1
-            assert self.ref_count[block] >= 0, f"block {block} freed twice"
-            if self.ref_count[block] == 0:
-                self.free_list.append(block)
-        del self.tokens[seq_id]
-
-    def _check(self, seq_id) -> None:
-        if seq_id not in self.tables:
-            raise ValueError(f"unknown seq_id {seq_id!r}: allocate it first (known: {list(self.tables)})")
-
-    def block_table(self, seq_id) -> list[int]:
-        self._check(seq_id)
-        return list(self.tables[seq_id])
-
-    def num_tokens(self, seq_id) -> int:
-        self._check(seq_id)
-        return len(self.tokens[seq_id])
-
-    def slot(self, seq_id, position: int) -> int:
-        """Where token `position` of the sequence lives in the flattened pool: block * block_size + offset."""
-        n = self.num_tokens(seq_id)
-        if not 0 <= position < n:
-            raise ValueError(f"slot: position must be in [0, {n}) for seq_id {seq_id!r}, got {position}")
-        return self.tables[seq_id][position // self.block_size] * self.block_size + position % self.block_size
 
 
 class PagedKVCache:
@@ -237,8 +335,7 @@ class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        if min(shape) < 1:
-            raise ValueError(f"PagedKVCache: every size must be >= 1, got (N, bs, Hkv, D) = {shape}")
+        _check_pool_shape(shape)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -260,9 +357,7 @@ def make_paged_cache(config, num_blocks: int, block_size: int = 16, dtype: torch
 def gather_reference(cache: PagedKVCache, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first `length` keys and values, (Hkv, length, D) each, block by block."""
     bs = cache.k.shape[1]
-    if not 0 < length <= len(block_table) * bs:
-        raise ValueError(f"gather_reference: length must be in [1, {len(block_table) * bs}] "
-                         f"for {len(block_table)} blocks of {bs}, got {length}")
+    _check_gather(len(block_table), bs, length)
     ks, vs = [], []
     for i, block in enumerate(block_table):
         n = min(bs, length - i * bs)  # tokens used in this block: bs, except in the last one
@@ -289,18 +384,12 @@ def batch_layout(manager: BlockManager, seq_ids: list, new_tokens: int | list[in
 
     Keys: S = C + T columns, C = max cached count, T = max new count. Row b's cached keys are
     right-aligned in the first C columns and its new tokens in the last T; the gaps are padding,
-    masked as keys. With the same count for every row (a decode step) there are no gaps in the new
-    part: each row is simply right-aligned in S = max L_b columns. A row with fewer new tokens than
-    T (a batched prefill, notebook 12) has padding queries, whose keys/values go to `sink_slot`.
+    masked as keys. A row with fewer new tokens than T (a batched prefill, notebook 12) has
+    padding queries, whose keys/values go to `sink_slot`.
     """
     lengths = [manager.num_tokens(s) for s in seq_ids]
     new = [new_tokens] * len(seq_ids) if isinstance(new_tokens, int) else list(new_tokens)
-    if not seq_ids or len(new) != len(seq_ids) or not all(1 <= n <= L for n, L in zip(new, lengths)):
-        raise ValueError(f"batch_layout: need 1 <= new tokens <= length for each sequence, "
-                         f"got new_tokens {new_tokens}, lengths {lengths}")
-    if len(set(new)) > 1 and sink_slot is None:
-        raise ValueError(f"batch_layout: rows with different new-token counts {new} need a sink_slot "
-                         "for their padding queries")
+    _check_layout(seq_ids, new_tokens, new, lengths, sink_slot)
     cached = [L - n for L, n in zip(lengths, new)]
     C, T = max(cached), max(new)
     slots, gather, mask, positions = [], [], [], []
@@ -321,19 +410,17 @@ class PagedView:
         self.cache, self.layout = cache, layout
 
     def update(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, Hkv, T, D) at layout.slots; return all keys/values (B, Hkv, S, D)."""
+        """Write k, v (B, Hkv, T, D) at layout.slots; return all keys/values (B, Hkv, S, D), a dense copy."""
         layout = self.layout
         N, bs, Hkv, D = self.cache.k.shape
         B, T = layout.slots.shape
-        if pos != layout.start_pos or k.shape != (B, Hkv, T, D) or v.shape != k.shape:
-            raise ValueError(f"PagedView.update: expected pos {layout.start_pos} and k, v (B, Hkv, T, D) = "
-                             f"{(B, Hkv, T, D)}, got pos {pos}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        _check_update(layout, self.cache.k.shape, pos, k, v)
         k_pool = self.cache.k.view(N * bs, Hkv, D)  # (N, bs, Hkv, D) -> (N*bs, Hkv, D): one row per slot
         v_pool = self.cache.v.view(N * bs, Hkv, D)
         flat = layout.slots.flatten()                # (B*T,)
         k_pool[flat] = k.transpose(1, 2).reshape(B * T, Hkv, D)  # (B, Hkv, T, D) -> (B*T, Hkv, D)
         v_pool[flat] = v.transpose(1, 2).reshape(B * T, Hkv, D)
-        k_all = k_pool[layout.gather].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D)
+        k_all = k_pool[layout.gather].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D): the gather, a copy
         v_all = v_pool[layout.gather].transpose(1, 2)
         return k_all, v_all
 
@@ -341,11 +428,7 @@ class PagedView:
 def paged_forward(model, cache: list[PagedKVCache], manager: BlockManager, seq_ids: list,
                   input_ids: torch.Tensor) -> torch.Tensor:
     """Logits (B, T, V) for input_ids (B, T): the last T accounted tokens of each sequence."""
-    if len(cache) != model.config.num_hidden_layers:
-        raise ValueError(f"paged_forward: cache has {len(cache)} layers, the model {model.config.num_hidden_layers}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != len(seq_ids):
-        raise ValueError(f"paged_forward: input_ids must be (B, T) with B = len(seq_ids) = {len(seq_ids)}, "
-                         f"got {tuple(input_ids.shape)}")
+    _check_forward(model, cache, seq_ids, input_ids)
     layout = batch_layout(manager, seq_ids, input_ids.shape[1], device=input_ids.device)
     views = [PagedView(c, layout) for c in cache]
     return model(input_ids, positions=layout.positions, attention_mask=layout.attention_mask,
