@@ -1,6 +1,6 @@
 # Generated from notebooks/12_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""Continuous batching: Sequence -> Scheduler -> Engine.step -> Engine.generate.
+"""Continuous batching: Sequence -> admit, make_room -> Scheduler -> EngineCore.step -> Engine.
 
 Built in notebooks/12_engine.ipynb on the paged KV cache (notebook 11). Each step admits waiting
 sequences while KV blocks allow, prefills them, runs one batched decode forward for all running
@@ -65,6 +65,79 @@ class Output:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+def check_request(tokenizer: Tokenizer, context: int, vocab_size: int, prompt_ids: Seq[int],
+                  params: SamplingParams | None = None, max_new_tokens: int = 256, stop: Seq[str] = (),
+                  eos_token_ids: Seq[int] | None = None) -> tuple[list[int], SamplingParams, TextStream]:
+    """A request's checked prompt, its parameters (default greedy) and its TextStream; ValueError if bad."""
+    prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, vocab_size)
+    params = params or SamplingParams(temperature=0)
+    eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
+    return prompt_ids, params, TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
+
+
+def never_fits(manager: BlockManager, seq: Sequence, max_model_len: int) -> str:
+    """Why a request can never run: its tokens need more KV blocks than the whole pool."""
+    blocks = manager.blocks_needed(len(seq.token_ids) + 1)
+    return (f"request of {len(seq.token_ids)} tokens needs {blocks} KV blocks "
+            f"(context {max_model_len}); the pool has {manager.num_blocks}")
+
+
+def admit(manager: BlockManager, waiting: deque[Sequence], running: list[Sequence], max_num_seqs: int,
+          max_model_len: int) -> tuple[list[Sequence], list[Sequence]]:
+    """Move waiting sequences to running, oldest first, while blocks and max_num_seqs allow.
+
+    Returns (admitted: to prefill this step, rejected: can never fit)."""
+    admitted, rejected = [], []
+    fresh: set[int] = set()  # blocks given out in this call: their keys exist only after this step's prefill
+    while waiting and len(running) < max_num_seqs:
+        seq = waiting[0]
+        ids = seq.token_ids
+        if manager.blocks_needed(len(ids) + 1) > manager.num_blocks or len(ids) >= max_model_len:
+            waiting.popleft()
+            rejected.append(seq)
+            continue
+        if not manager.can_allocate(ids):
+            break  # oldest first: wait for blocks
+        if fresh.intersection(manager.prefix_hits(ids)):
+            break  # its prefix is being computed now (prefill batches may run in any order): next step
+        waiting.popleft()
+        seq.num_cached = manager.allocate(seq.id, ids)
+        fresh.update(manager.block_table(seq.id))
+        seq.status = RUNNING
+        running.append(seq)
+        admitted.append(seq)
+    return admitted, rejected
+
+
+def preempt_seq(manager: BlockManager, running: list[Sequence], waiting: deque[Sequence], seq: Sequence) -> None:
+    """Free all of seq's blocks and requeue it first; its pending token becomes output to recompute."""
+    manager.free(seq.id)
+    running.remove(seq)
+    if seq.pending is not None:  # sampled and streamed already: keep it, its KV is recomputed
+        seq.output_ids.append(seq.pending)
+    seq.status, seq.pending = WAITING, None
+    waiting.appendleft(seq)
+
+
+def make_room(manager: BlockManager, running: list[Sequence], waiting: deque[Sequence]) -> tuple[list[Sequence], int]:
+    """Reserve a slot for each running sequence's pending token, oldest first, preempting the newest
+    while blocks are short. Returns (the sequences that decode this step, how many were preempted)."""
+    decoding, preempted = [], 0
+    for seq in list(running):  # oldest first
+        if seq.status != RUNNING:
+            continue  # preempted while making room for an older one
+        while not manager.can_append(seq.id):
+            victim = running[-1]
+            preempt_seq(manager, running, waiting, victim)
+            preempted += 1
+            if victim is seq:
+                break
+        if seq.status == RUNNING:
+            manager.append(seq.id, seq.pending)
+            decoding.append(seq)
+    return decoding, preempted
+
+
 class Scheduler:
     """Who runs this step: admits waiting sequences while blocks allow; preempts the newest on shortage."""
 
@@ -87,97 +160,116 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free all of seq's blocks and requeue it first; its pending token becomes output to recompute."""
-        self.manager.free(seq.id)
-        self.running.remove(seq)
-        if seq.pending is not None:  # sampled and streamed already: keep it, its KV is recomputed
-            seq.output_ids.append(seq.pending)
-        seq.status, seq.pending = WAITING, None
+        preempt_seq(self.manager, self.running, self.waiting, seq)
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """Returns (admitted: to prefill, decoding: to run one decode step, rejected: can never fit)."""
-        decoding = []
-        for seq in list(self.running):  # oldest first
-            if seq.status != RUNNING:
-                continue  # preempted while making room for an older one
-            while not self.manager.can_append(seq.id):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status == RUNNING:
-                self.manager.append(seq.id, seq.pending)
-                decoding.append(seq)
-        admitted, rejected = [], []
-        fresh: set[int] = set()  # blocks given out in this call: their keys exist only after this step's prefill
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            ids = seq.token_ids
-            if self.manager.blocks_needed(len(ids) + 1) > self.manager.num_blocks or len(ids) >= self.max_model_len:
-                self.waiting.popleft()
-                rejected.append(seq)
-                continue
-            if not self.manager.can_allocate(ids):
-                break  # oldest first: wait for blocks
-            if fresh.intersection(self.manager.prefix_hits(ids)):
-                break  # its prefix is being computed now (prefill batches may run in any order): next step
-            self.waiting.popleft()
-            seq.num_cached = self.manager.allocate(seq.id, ids)
-            fresh.update(self.manager.block_table(seq.id))
-            seq.status = RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
+        decoding, preempted = make_room(self.manager, self.running, self.waiting)  # the running first
+        self.num_preemptions += preempted
+        admitted, rejected = admit(self.manager, self.waiting, self.running, self.max_num_seqs, self.max_model_len)
         return admitted, decoding, rejected
 
 
-class Engine:
-    """A model, a paged KV cache and a scheduler: add_request, step, abort, generate."""
+def forward_batch(model: CausalLM, cache: list, manager: BlockManager, seqs: list[Sequence],
+                  new_ids: list[list[int]], sink_slot: int) -> torch.Tensor:
+    """Next-token logits (B, V): one forward computing each sequence's new tokens (left-padded to T)."""
+    device = next(model.parameters()).device
+    layout = batch_layout(manager, [s.id for s in seqs], [len(n) for n in new_ids], sink_slot, device)
+    T = layout.slots.shape[1]
+    ids = torch.tensor([[0] * (T - len(n)) + n for n in new_ids], device=device)  # (B, T)
+    views = [PagedView(c, layout) for c in cache]
+    logits = model(ids, positions=layout.positions, attention_mask=layout.attention_mask, cache=views,
+                   start_pos=layout.start_pos, logits_to_keep=1)  # (B, 1, V)
+    return logits[:, -1]  # every row's last new token sits in the last column
+
+
+def copy_blocks(cache: list, manager: BlockManager) -> None:
+    """Apply the block manager's pending copy-on-write copies to every layer, before the next forward."""
+    pairs = manager.take_copies()
+    if pairs:
+        for layer in cache:
+            layer.copy_blocks(pairs)
+
+
+def prefill_groups(admitted: list[Sequence], max_prefill_tokens: int, max_model_len: int) -> list[list[Sequence]]:
+    """Batches of similar length: longest first; a new batch when padding would pass a fifth of it,
+    or max_prefill_tokens padded tokens, or the context."""
+    groups, group, cached, new, real = [], [], 0, 0, 0
+    for seq in sorted(admitted, key=lambda s: len(s.token_ids) - s.num_cached, reverse=True):
+        c, n = seq.num_cached, len(seq.token_ids) - seq.num_cached
+        C, T = max(cached, c), max(new, n)
+        padded = (len(group) + 1) * (C + T)
+        if group and (padded > max_prefill_tokens or real + c + n < 0.8 * padded or C + T > max_model_len):
+            groups.append(group)
+            group, C, T, real = [], c, n, 0
+        group.append(seq)
+        cached, new, real = C, T, real + c + n
+    return groups + [group] if group else groups
+
+
+def advance(seq: Sequence, token: int) -> Output:
+    """Record a sampled token: stream its text; it becomes pending, or ends the sequence (Output.finished)."""
+    text, finish = seq.text.push(token)
+    if finish is not None:
+        seq.output_ids.append(token)
+        return Output(seq.id, token, text, True, finish)
+    seq.pending = token  # computed by the next decode step
+    return Output(seq.id, token, text)
+
+
+def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
+    """Sample rows that share parameters; on an error retry them one by one, so it fails only its own request."""
+    first = seqs[0]
+    try:
+        pick = sample(logits, first.params, first.generator, token_ids=[s.token_ids for s in seqs],
+                      prompt_lengths=[len(s.prompt_ids) for s in seqs])
+    except (ValueError, RuntimeError) as exc:  # NaN logits, multinomial on NaN...: this one fails, not the others
+        if len(seqs) > 1:
+            return [out for b, seq in enumerate(seqs) for out in sample_rows([seq], logits[b : b + 1])]
+        return [Output(first.id, None, "", True, "error", str(exc))]
+    outputs = []
+    for b, (seq, token) in enumerate(zip(seqs, pick.tokens.tolist())):
+        out = advance(seq, token)
+        out.logprob = float(pick.logprobs[b])
+        out.top_logprobs = pick.top_logprobs[b] if pick.top_logprobs else None
+        outputs.append(out)
+    return outputs
+
+
+def sample_batch(seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
+    """Each sequence's next token. Greedy ones with equal parameters share one call: no generator needed."""
+    for seq in seqs:
+        if seq.pending is not None:  # its KV was just computed: it is now part of the output
+            seq.output_ids.append(seq.pending)
+            seq.pending = None
+    groups = {}
+    for b, seq in enumerate(seqs):
+        groups.setdefault(seq.params if seq.params.greedy else b, []).append(b)
+    outputs = []
+    for rows in groups.values():
+        outputs += sample_rows([seqs[b] for b in rows], logits[rows])
+    return outputs
+
+
+class EngineCore:
+    """The stepping half of the engine: a model, a paged KV cache, a scheduler and `step`."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, num_blocks: int = 512, block_size: int = 16,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, max_prefill_tokens: int = 4096):
-        self.model, self.tokenizer = model, tokenizer
         param = next(model.parameters())
-        self.device = param.device
+        self.model, self.tokenizer, self.device = model, tokenizer, param.device
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        # one block more than the manager hands out: the sink where padding tokens' keys are written
         self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
-        self.sink_slot = num_blocks * block_size
+        self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
         self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings)
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
         self.finish_reasons: Counter[str] = Counter()  # how requests ended: stop, length, abort, error
         self._ids = itertools.count()
 
-    def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                    stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> int:
-        """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
-        return self.submit(self.make_request(prompt_ids, params, max_new_tokens, stop, eos_token_ids))
-
-    def make_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> Sequence:
-        """A checked request, not yet queued: touches no engine state, so any thread may call it."""
-        context = self.scheduler.max_model_len
-        prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, self.model.config.vocab_size)
-        params = params or SamplingParams(temperature=0)
-        eos = self.tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
-        text = TextStream(self.tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
-        return Sequence(next(self._ids), prompt_ids, params, text, make_generator(params.seed, self.device))
-
-    def submit(self, seq: Sequence) -> int:
-        """Queue a request made by make_request; returns its id."""
-        self.sequences[seq.id] = seq
-        self.scheduler.add(seq)
-        return seq.id
-
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
-
-    def abort(self, request_id: int) -> None:
-        """Stop a request now (a client hung up) and free everything it held."""
-        seq = self.sequences.get(request_id)  # None once finished: nothing left to free
-        if seq is not None:
-            self._finish(seq, "abort")
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Free seq's blocks and forget it: its last Output carries what a caller needs."""
@@ -187,96 +279,51 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[Output]:
+        """One round: schedule, prefill the admitted, one decode forward for the running, sample, finish."""
         admitted, decoding, rejected = self.scheduler.schedule()
         outputs = []
         for seq in rejected:
-            blocks = self.manager.blocks_needed(len(seq.token_ids) + 1)
-            self._finish(seq, "error", f"request of {len(seq.token_ids)} tokens needs {blocks} KV blocks "
-                         f"(context {self.scheduler.max_model_len}); the pool has {self.manager.num_blocks}")
+            self._finish(seq, "error", never_fits(self.manager, seq, self.scheduler.max_model_len))
             outputs.append(Output(seq.id, None, "", True, "error", seq.error))
-        self._copy_blocks()
-        for group in self._prefill_groups(admitted):  # prefill together: the tokens the prefix cache lacks
-            logits = self._forward(group, [seq.token_ids[seq.num_cached:] for seq in group])  # (B, V)
-            outputs += self._sample(group, logits)
-        if decoding:  # one token each: the pending ones
-            logits = self._forward(decoding, [[seq.pending] for seq in decoding])  # (B, V)
-            outputs += self._sample(decoding, logits)
+        copy_blocks(self.cache, self.manager)
+        groups = prefill_groups(admitted, self.max_prefill_tokens, self.scheduler.max_model_len)
+        batches = [(g, [seq.token_ids[seq.num_cached:] for seq in g]) for g in groups]  # what the cache lacks
+        batches += [(decoding, [[seq.pending] for seq in decoding])] if decoding else []  # one token each
+        for seqs, new_ids in batches:
+            logits = forward_batch(self.model, self.cache, self.manager, seqs, new_ids, self.sink_slot)  # (B, V)
+            for out in sample_batch(seqs, logits):
+                if out.finished:
+                    self._finish(self.sequences[out.request_id], out.finish_reason, out.error)
+                outputs.append(out)
         return outputs
 
-    def _prefill_groups(self, admitted: list[Sequence]) -> list[list[Sequence]]:
-        """Batches of similar length: longest first; a new batch when padding would pass a fifth of it,
-        or max_prefill_tokens padded tokens, or the context."""
-        groups, group, cached, new, real = [], [], 0, 0, 0
-        for seq in sorted(admitted, key=lambda s: len(s.token_ids) - s.num_cached, reverse=True):
-            c, n = seq.num_cached, len(seq.token_ids) - seq.num_cached
-            C, T = max(cached, c), max(new, n)
-            padded = (len(group) + 1) * (C + T)
-            if group and (padded > self.max_prefill_tokens or real + c + n < 0.8 * padded
-                          or C + T > self.scheduler.max_model_len):
-                groups.append(group)
-                group, C, T, real = [], c, n, 0
-            group.append(seq)
-            cached, new, real = C, T, real + c + n
-        return groups + [group] if group else groups
 
-    def _forward(self, seqs: list[Sequence], new_ids: list[list[int]]) -> torch.Tensor:
-        """Next-token logits (B, V): one forward computing each sequence's new tokens (left-padded to T)."""
-        layout = batch_layout(self.manager, [s.id for s in seqs], [len(n) for n in new_ids], self.sink_slot, self.device)
-        T = layout.slots.shape[1]
-        ids = torch.tensor([[0] * (T - len(n)) + n for n in new_ids], device=self.device)  # (B, T)
-        views = [PagedView(c, layout) for c in self.cache]
-        logits = self.model(ids, positions=layout.positions, attention_mask=layout.attention_mask, cache=views,
-                            start_pos=layout.start_pos, logits_to_keep=1)  # (B, 1, V)
-        return logits[:, -1]  # every row's last new token sits in the last column
+class Engine(EngineCore):
+    """A model, a paged KV cache and a scheduler: add_request, step, abort, generate."""
 
-    def _copy_blocks(self) -> None:
-        pairs = self.manager.take_copies()  # copy-on-write of shared blocks, for every layer
-        if pairs:
-            for layer in self.cache:
-                layer.copy_blocks(pairs)
+    def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
+                    stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> int:
+        """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
+        return self.submit(self.make_request(prompt_ids, params, max_new_tokens, stop, eos_token_ids))
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
-        """Each sequence's next token. Greedy ones with equal parameters share one call: no generator needed."""
-        for seq in seqs:
-            if seq.pending is not None:  # its KV was just computed: it is now part of the output
-                seq.output_ids.append(seq.pending)
-                seq.pending = None
-        groups = {}
-        for b, seq in enumerate(seqs):
-            groups.setdefault(seq.params if seq.params.greedy else b, []).append(b)
-        outputs = []
-        for rows in groups.values():
-            outputs += self._sample_rows([seqs[b] for b in rows], logits[rows])
-        return outputs
+    def make_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
+                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> Sequence:
+        """A checked request, not yet queued: touches no engine state, so any thread may call it."""
+        prompt_ids, params, text = check_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
+                                                 prompt_ids, params, max_new_tokens, stop, eos_token_ids)
+        return Sequence(next(self._ids), prompt_ids, params, text, make_generator(params.seed, self.device))
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
-        """Sample rows that share parameters; on an error retry them one by one, so it fails only its own request."""
-        first = seqs[0]
-        try:
-            pick = sample(logits, first.params, first.generator, token_ids=[s.token_ids for s in seqs],
-                          prompt_lengths=[len(s.prompt_ids) for s in seqs])
-        except (ValueError, RuntimeError) as exc:  # NaN logits, multinomial on NaN...: this one fails, not the others
-            if len(seqs) > 1:
-                return [out for b, seq in enumerate(seqs) for out in self._sample_rows([seq], logits[b : b + 1])]
-            self._finish(first, "error", str(exc))
-            return [Output(first.id, None, "", True, "error", str(exc))]
-        outputs = []
-        for b, (seq, token) in enumerate(zip(seqs, pick.tokens.tolist())):
-            out = self._advance(seq, token)
-            out.logprob = float(pick.logprobs[b])
-            out.top_logprobs = pick.top_logprobs[b] if pick.top_logprobs else None
-            outputs.append(out)
-        return outputs
+    def submit(self, seq: Sequence) -> int:
+        """Queue a request made by make_request; returns its id."""
+        self.sequences[seq.id] = seq
+        self.scheduler.add(seq)
+        return seq.id
 
-    def _advance(self, seq: Sequence, token: int) -> Output:
-        """Record a sampled token: stream its text, or finish the sequence."""
-        text, finish = seq.text.push(token)
-        if finish is not None:
-            seq.output_ids.append(token)
-            self._finish(seq, finish)
-            return Output(seq.id, token, text, True, finish)
-        seq.pending = token  # computed by the next decode step
-        return Output(seq.id, token, text)
+    def abort(self, request_id: int) -> None:
+        """Stop a request now (a client hung up) and free everything it held."""
+        seq = self.sequences.get(request_id)  # None once finished: nothing left to free
+        if seq is not None:
+            self._finish(seq, "abort")
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  max_new_tokens: int | Seq[int] = 256, **kwargs) -> list[dict]:
