@@ -7,8 +7,9 @@ loaded CausalLM and rebuilds its layers for speed, keeping `forward(input_ids, p
 attention_mask, cache, start_pos)`, so generate, the engine and the server run it unchanged:
 
 - q/k/v and gate/up projections fused into one matrix each (one weight read, one kernel call);
-- RoPE's cos/sin computed once for every position, then indexed; RoPE applied to q and k at once;
-- grouped-query attention through torch's SDPA (no repeat_kv copy), no mask at decode;
+- RoPE's cos/sin computed once for every position (rope_tables), then indexed (rope_rows);
+  RoPE applied to q and k at once;
+- grouped-query attention through torch's SDPA (no repeat_kv copy), no mask at decode (fast_mask);
 - torch's fused RMSNorm; optional int8 / int4 weights (minillm.quant) and torch.compile.
 
 Shape legend: B batch, T tokens, S keys, H heads, Hkv kv heads, D head dim, V vocab.
@@ -42,6 +43,48 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
         if first.bias is not None:
             fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
     return fused
+
+
+def rope_tables(config: ModelConfig, device=None, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """cos and sin of every position's RoPE angles, (P, D) each for P = max_position_embeddings."""
+    freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32),
+                        rope_frequencies(config))  # (P, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1).to(device)  # (P, D): pair (i, i + D/2) shares one angle
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_rows(cos: Tensor, sin: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
+              start_pos: int, T: int, S: int) -> tuple[Tensor, Tensor]:
+    """The rows of the (P, D) tables for this forward, each (B or 1, T, 1, D) to broadcast over heads."""
+    if positions is None and attention_mask is not None:  # left padding: count real tokens before each one
+        positions = padded_positions(attention_mask, start_pos)  # (B, T)
+    if positions is None:
+        cos, sin = cos[start_pos:S], sin[start_pos:S]  # (T, D): a slice of the table
+    else:
+        cos, sin = cos[positions], sin[positions]  # (B, T, D) or (T, D)
+    D = cos.shape[-1]
+    return cos.view(-1, T, 1, D), sin.view(-1, T, 1, D)  # one angle for every head
+
+
+def fast_mask(T: int, S: int, start_pos: int, attention_mask: Tensor | None, device) -> Tensor | None:
+    """None when SDPA needs no mask (decode, or a fresh unpadded prompt: is_causal); else (B or 1, 1, T, S)."""
+    if attention_mask is None and not (T > 1 and start_pos > 0):
+        return None
+    return build_attention_mask(T, S, start_pos, attention_mask, device)
+
+
+def embedding_and_head(model: CausalLM, quantize: str | None, group_size: int,
+                       kernel: str) -> tuple[nn.Module, nn.Module]:
+    """(embed_tokens, lm_head) of the fast model: the head quantized if untied, shared or int8 if tied."""
+    embed = model.model.embed_tokens
+    weight = embed.weight  # (V, h)
+    if model.lm_head is not None:
+        return embed, quantize_linear(model.lm_head, quantize, group_size, "lm_head", kernel)
+    if quantize is None:  # tied: the head reads the embedding table itself
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        head.weight = weight  # shared, not copied
+        return embed, head
+    return int8_table(weight, kernel)  # tied and quantized: int8 rows shared by lookup and head
 
 
 class FastLayer(nn.Module):
@@ -89,6 +132,14 @@ class FastLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)  # (B, T, I) -> (B, T, h)
 
 
+def check_fast_model(model, quantize) -> None:
+    """FastCausalLM's argument checks: a minillm CausalLM and a known quantization mode."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"FastCausalLM: model must be a minillm CausalLM, got {type(model).__name__}")
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"FastCausalLM: quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+
+
 class FastCausalLM(nn.Module):
     """CausalLM's forward contract, rebuilt for speed from a loaded CausalLM (see the module docstring).
 
@@ -100,31 +151,17 @@ class FastCausalLM(nn.Module):
 
     def __init__(self, model: CausalLM, quantize: str | None = None, group_size: int = 32, kernel: str = "auto"):
         super().__init__()
-        if not isinstance(model, CausalLM):
-            raise TypeError(f"FastCausalLM: model must be a minillm CausalLM, got {type(model).__name__}")
-        if quantize not in QUANTIZE_CHOICES:
-            raise ValueError(f"FastCausalLM: quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+        check_fast_model(model, quantize)
         self.config = config = model.config
         self.quantize = quantize
-        self.embed_tokens = model.model.embed_tokens
+        self.embed_tokens, self.lm_head = embedding_and_head(model, quantize, group_size, kernel)
         self.layers = nn.ModuleList(FastLayer(layer, config, quantize, group_size, f"model.layers.{i}", kernel)
                                     for i, layer in enumerate(model.model.layers))
         self.norm = model.model.norm.weight  # (h,)
-        weight = model.model.embed_tokens.weight  # (V, h)
-        if model.lm_head is not None:
-            self.lm_head = quantize_linear(model.lm_head, quantize, group_size, "lm_head", kernel)
-        elif quantize is None:  # tied: the head reads the embedding table itself
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=weight.device,
-                                     dtype=weight.dtype)
-            self.lm_head.weight = weight  # shared, not copied
-        else:  # tied and quantized: int8 rows shared by lookup and head, as llama.cpp keeps token_embd at Q8_0
-            self.embed_tokens, self.lm_head = int8_table(weight, kernel)
-        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32),
-                            rope_frequencies(config))  # (P, D/2)
-        angles = torch.cat((freqs, freqs), dim=-1).to(weight.device)  # (P, D)
-        dtype = weight.dtype
-        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)  # (P, D): one row per position
-        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
+        weight = model.model.embed_tokens.weight  # (V, h): its device and dtype
+        cos, sin = rope_tables(config, weight.device, weight.dtype)
+        self.register_buffer("cos", cos, persistent=False)  # (P, D): one row per position
+        self.register_buffer("sin", sin, persistent=False)
         self._layers = self._run_layers
 
     def compile(self, **kwargs) -> FastCausalLM:
@@ -141,17 +178,8 @@ class FastCausalLM(nn.Module):
                 cache: list | None = None, start_pos: int = 0, logits_to_keep: int = 0) -> Tensor:
         """Logits (B, T, V), as CausalLM.forward; logits_to_keep=n > 0 returns only the last n positions."""
         B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
-        if positions is None and attention_mask is not None:  # left padding: count real tokens before each one
-            positions = padded_positions(attention_mask, start_pos)  # (B, T)
-        if positions is None:
-            cos, sin = self.cos[start_pos:S], self.sin[start_pos:S]  # (T, D): rows of the table
-        else:
-            cos, sin = self.cos[positions], self.sin[positions]  # (B, T, D) or (T, D)
-        cos = cos.view(-1, T, 1, self.config.head_dim)  # (B or 1, T, 1, D): one angle for every head
-        sin = sin.view(-1, T, 1, self.config.head_dim)
-        mask = None
-        if attention_mask is not None or (T > 1 and start_pos > 0):
-            mask = build_attention_mask(T, S, start_pos, attention_mask, input_ids.device)  # (B or 1, 1, T, S)
+        cos, sin = rope_rows(self.cos, self.sin, positions, attention_mask, start_pos, T, S)
+        mask = fast_mask(T, S, start_pos, attention_mask, input_ids.device)
         x = self._layers(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos)  # (B, T, h)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # (B, n, h)
