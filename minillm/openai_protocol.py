@@ -38,6 +38,46 @@ class APIError(Exception):
         return JSONResponse({"error": body}, status_code=self.status)
 
 
+def token_logprobs(tok, out: Output) -> dict:
+    def entry(tid: int, logprob: float) -> dict:
+        raw = tok.token_bytes(tid)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    top = [entry(t, lp) for t, lp in (out.top_logprobs or [])]
+    return {**entry(out.token_id, out.logprob), "top_logprobs": top}
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
+
+
+class Reply:
+    """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
+
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int):
+        self.chat, self.prompt_tokens = chat, prompt_tokens
+        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                     "object": "chat.completion" if chat else "text_completion",
+                     "created": int(time.time()), "model": model_name}
+        self.chunk_object = self.head["object"] + (".chunk" if chat else "")
+
+    def usage(self, n: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def choice(self, text: str, finish, logprobs=None, delta: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        lp = {"content": logprobs} if logprobs is not None else None
+        return {"index": 0, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
+
+    def whole(self, text: str, finish: str, logprobs, n: int) -> dict:
+        return {**self.head, "choices": [self.choice(text, finish, logprobs)], "usage": self.usage(n)}
+
+    def chunk(self, choices: list, **extra) -> str:
+        return sse({**self.head, "object": self.chunk_object, "choices": choices, **extra})
+
+
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
 
 
@@ -94,6 +134,17 @@ def chat_prompt(llm: LLM, messages) -> list[int]:
         return llm.encode_chat(clean)
     except Exception as exc:  # the template may reject a conversation (e.g. roles out of order)
         raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
+
+
+def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
+    """The prompt ids: the chat template over `messages`, or the text of `prompt`."""
+    if chat:
+        return chat_prompt(llm, body.get("messages"))
+    prompt = body.get("prompt")
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError(400, "prompt must be a non-empty string", "prompt")
+    return llm.tokenizer.encode(_text(prompt, "prompt", "prompt"))
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -153,54 +204,3 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
         raise APIError(400, "stream_options must be an object", "stream_options")
     return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": _flag(body, "stream"),
             "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs}
-
-
-def token_logprobs(tok, out: Output) -> dict:
-    def entry(tid: int, logprob: float) -> dict:
-        raw = tok.token_bytes(tid)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-    top = [entry(t, lp) for t, lp in (out.top_logprobs or [])]
-    return {**entry(out.token_id, out.logprob), "top_logprobs": top}
-
-
-def sse(data) -> str:
-    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
-
-
-class Reply:
-    """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
-
-    def __init__(self, chat: bool, model_name: str, prompt_tokens: int):
-        self.chat, self.prompt_tokens = chat, prompt_tokens
-        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-                     "object": "chat.completion" if chat else "text_completion",
-                     "created": int(time.time()), "model": model_name}
-        self.chunk_object = self.head["object"] + (".chunk" if chat else "")
-
-    def usage(self, n: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
-
-    def choice(self, text: str, finish, logprobs=None, delta: bool = False) -> dict:
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        message = {"content": text} if delta else {"role": "assistant", "content": text}
-        lp = {"content": logprobs} if logprobs is not None else None
-        return {"index": 0, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
-
-    def whole(self, text: str, finish: str, logprobs, n: int) -> dict:
-        return {**self.head, "choices": [self.choice(text, finish, logprobs)], "usage": self.usage(n)}
-
-    def chunk(self, choices: list, **extra) -> str:
-        return sse({**self.head, "object": self.chunk_object, "choices": choices, **extra})
-
-
-def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
-    """The prompt ids: the chat template over `messages`, or the text of `prompt`."""
-    if chat:
-        return chat_prompt(llm, body.get("messages"))
-    prompt = body.get("prompt")
-    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
-    if not isinstance(prompt, str) or not prompt:
-        raise APIError(400, "prompt must be a non-empty string", "prompt")
-    return llm.tokenizer.encode(_text(prompt, "prompt", "prompt"))

@@ -11,7 +11,7 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (stream: server-sent 
 `data: [DONE]`), GET /v1/models, GET /health. Errors: {"error": {"message", "type", "param", "code"}}.
 
 References: the OpenAI API reference (chat completions, completions, streaming, error codes);
-vLLM's entrypoints/openai/api_server.py (the queue-per-request bridge over one engine loop).
+vLLM's OpenAI-compatible API server (the queue-per-request bridge over one engine loop).
 The protocol (request checks, response shapes, error JSON) is minillm/openai_protocol.py.
 """
 
@@ -36,19 +36,50 @@ from minillm.openai_protocol import APIError, Reply, parse_request, read_json, r
 from minillm.sampling import SamplingParams
 
 
-class AsyncEngine:
-    """One Engine stepped by one thread; each request receives its Outputs on an asyncio.Queue.
+def apply_commands(engine: Engine, commands: queue.SimpleQueue) -> None:
+    """Run every posted command on the engine (call it from the engine thread only, between steps):
+    ("add", Sequence) submits a request made by Engine.make_request, ("abort", id) stops one."""
+    while not commands.empty():
+        kind, arg = commands.get()
+        if kind == "add":
+            engine.submit(arg)
+        else:
+            engine.abort(arg)
 
-    The event loop never waits for the engine: `add` checks the request (Engine.make_request
-    touches no engine state) and posts it, `abort` posts the id, and the engine thread applies
-    both between steps. A step can take seconds (a long prefill); /health and every other
-    request stay responsive meanwhile."""
+
+def step_or_fail(engine: Engine) -> list[Output]:
+    """One engine step. If it raises (a bug, a device error), every request gets a final Output with
+    finish_reason "error" and is aborted, so the engine stays usable for the requests that follow."""
+    try:
+        return engine.step()
+    except Exception as exc:
+        rids = list(engine.sequences)
+        outputs = [Output(rid, None, "", True, "error", f"engine error: {exc}") for rid in rids]
+        for rid in rids:
+            engine.abort(rid)
+        return outputs
+
+
+def deliver(outputs: list[Output], queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]]) -> None:
+    """Hand each Output to its request's asyncio.Queue, on that queue's own event loop (called from the
+    engine thread: call_soon_threadsafe is the thread-safe way in). A finished request leaves `queues`;
+    an Output of a request no longer in it (aborted) is dropped."""
+    for out in outputs:
+        target = queues.pop(out.request_id, None) if out.finished else queues.get(out.request_id)
+        if target is not None:
+            loop, outputs_queue = target
+            loop.call_soon_threadsafe(outputs_queue.put_nowait, out)
+
+
+class EngineThread:
+    """The thread that owns an Engine: it sleeps until woken, applies the posted commands, and steps
+    while any request is unfinished, delivering each step's Outputs. AsyncEngine adds the request API."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Sequence) or ("abort", id), thread-safe
         self.wake = threading.Event()
-        self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # set here, popped by the thread
+        self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # set by add, popped by the thread
         self.steps = 0  # forward rounds taken, for the curious
         self.running = False
         self.thread: threading.Thread | None = None
@@ -63,6 +94,29 @@ class AsyncEngine:
         self.wake.set()
         if self.thread is not None:
             self.thread.join()
+
+    def _apply_commands(self) -> None:
+        apply_commands(self.engine, self.commands)
+
+    def _loop(self) -> None:
+        while self.running:
+            self.wake.wait()
+            self.wake.clear()  # before reading the commands: a command posted after this sets it again
+            self._apply_commands()
+            while self.running and self.engine.has_unfinished():
+                outputs = step_or_fail(self.engine)
+                self.steps += 1
+                deliver(outputs, self.queues)
+                self._apply_commands()  # between steps: new requests join, hung-up ones leave
+
+
+class AsyncEngine(EngineThread):
+    """One Engine stepped by one thread; each request receives its Outputs on an asyncio.Queue.
+
+    The event loop never waits for the engine: `add` checks the request (Engine.make_request
+    touches no engine state) and posts it, `abort` posts the id, and the engine thread applies
+    both between steps. A step can take seconds (a long prefill); /health and every other
+    request stay responsive meanwhile."""
 
     def add(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
             stop: list[str]) -> tuple[int, asyncio.Queue]:
@@ -80,62 +134,6 @@ class AsyncEngine:
         self.queues.pop(rid, None)
         self.commands.put(("abort", rid))
         self.wake.set()
-
-    def _apply_commands(self) -> None:
-        while not self.commands.empty():
-            kind, arg = self.commands.get()
-            if kind == "add":
-                self.engine.submit(arg)
-            else:
-                self.engine.abort(arg)
-
-    def _loop(self) -> None:
-        while self.running:
-            self.wake.wait()
-            self.wake.clear()  # before reading the commands: a command posted after this sets it again
-            self._apply_commands()
-            while self.running and self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # a bug or a device error: fail every request, keep serving
-                    rids = list(self.engine.sequences)
-                    outputs = [Output(rid, None, "", True, "error", f"engine error: {exc}") for rid in rids]
-                    for rid in rids:
-                        self.engine.abort(rid)
-                self.steps += 1
-                for out in outputs:
-                    target = self.queues.pop(out.request_id, None) if out.finished else self.queues.get(out.request_id)
-                    if target is not None:
-                        loop, outputs_queue = target
-                        loop.call_soon_threadsafe(outputs_queue.put_nowait, out)
-                self._apply_commands()  # between steps: new requests join, hung-up ones leave
-
-
-class InFlight:
-    """Requests from their arrival to their end; past `limit`, a new one is refused (429).
-
-    `enter` counts a request before its body is read (so a burst cannot pass the check together)
-    and returns its `release`, which is safe to call more than once: every path out calls it."""
-
-    def __init__(self, limit: int):
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1, got {limit!r}")
-        self.limit, self.count = limit, 0
-        self.lock = threading.RLock()  # a release may come from a finalizer: another thread, or a GC inside enter()
-
-    def enter(self) -> Callable[[], None]:
-        with self.lock:
-            if self.count >= self.limit:
-                raise APIError(429, f"{self.limit} requests are in flight; retry later", None, "too_many_requests")
-            self.count += 1
-        released = []
-
-        def release() -> None:
-            with self.lock:
-                if not released:
-                    released.append(True)
-                    self.count -= 1
-        return release
 
 
 async def _next_output(queue: asyncio.Queue) -> Output:
@@ -212,32 +210,55 @@ async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dic
             engine.abort(rid)
 
 
-def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, block_size: int = 16,
-               max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20) -> FastAPI:
-    """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine."""
-    in_flight = InFlight(max_in_flight)
-    engine = AsyncEngine(Engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs))
-    context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)
+class InFlight:
+    """Requests from their arrival to their end; past `limit`, a new one is refused (429).
 
-    async def lifespan(app):
-        engine.start()
-        yield
-        engine.stop()
+    `enter` counts a request before its body is read (so a burst cannot pass the check together)
+    and returns its `release`, which is safe to call more than once: every path out calls it."""
 
-    app = FastAPI(title="minillm", lifespan=lifespan)
-    app.state.engine, app.state.context = engine, context
+    def __init__(self, limit: int):
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {limit!r}")
+        self.limit, self.count = limit, 0
+        self.lock = threading.RLock()  # a release may come from a finalizer: another thread, or a GC inside enter()
 
-    @app.exception_handler(APIError)
-    async def api_error(request, exc: APIError):
-        return exc.response()
+    def enter(self) -> Callable[[], None]:
+        with self.lock:
+            if self.count >= self.limit:
+                raise APIError(429, f"{self.limit} requests are in flight; retry later", None, "too_many_requests")
+            self.count += 1
+        released = []
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, exc):  # unknown paths, wrong methods
-        return APIError(exc.status_code, str(exc.detail)).response()
+        def release() -> None:
+            with self.lock:
+                if not released:
+                    released.append(True)
+                    self.count -= 1
+        return release
 
-    @app.exception_handler(Exception)
-    async def unexpected(request, exc):  # a bug outside the completions: still OpenAI's JSON
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error").response()
+
+async def on_api_error(request, exc: APIError):
+    return exc.response()
+
+
+async def on_http_error(request, exc):  # unknown paths, wrong methods
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+async def on_unexpected_error(request, exc):  # a bug outside the completions: still OpenAI's JSON
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error").response()
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every failure answers with OpenAI's error JSON: our APIErrors, the framework's 404 and 405, and bugs."""
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
+
+
+def completion_handler(llm: LLM, engine: AsyncEngine, in_flight: InFlight, context: int, model_name: str,
+                       max_body_bytes: int):
+    """The body of both completion endpoints: admit, read, check, then answer whole or as a stream."""
 
     async def complete(request: Request, chat: bool):
         release = in_flight.enter()  # counted from here: a burst cannot pass the check together
@@ -257,11 +278,44 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
             raise
         except ValueError as exc:  # the engine's own check of the request (e.g. an id outside the model)
             raise APIError(400, str(exc)) from None
-        except Exception as exc:  # a bug: answered here, so the connection stays up (the handler below closes it)
+        except Exception as exc:  # a bug: answered here, the connection stays up (on_unexpected_error would close it)
             raise APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error") from None
         finally:
             if not streaming:  # a stream releases when it ends
                 release()
+
+    return complete
+
+
+def model_list(model_name: str, context: int) -> dict:
+    """The body of GET /v1/models: the one model this server serves, and its context length."""
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                        "owned_by": "minillm", "max_model_len": context}]}
+
+
+def health_report(engine: AsyncEngine, in_flight: InFlight) -> dict:
+    """The body of GET /health: the scheduler's queues, the free KV blocks, the requests in flight."""
+    sched = engine.engine.scheduler
+    return {"status": "ok", "running": len(sched.running), "waiting": len(sched.waiting),
+            "free_blocks": engine.engine.manager.num_free_blocks, "in_flight": in_flight.count}
+
+
+def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, block_size: int = 16,
+               max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20) -> FastAPI:
+    """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine."""
+    in_flight = InFlight(max_in_flight)
+    engine = AsyncEngine(Engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs))
+    context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)
+
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.state.engine, app.state.context = engine, context
+    add_error_handlers(app)
+    complete = completion_handler(llm, engine, in_flight, context, model_name, max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -273,14 +327,11 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "minillm", "max_model_len": context}]}
+        return model_list(model_name, context)
 
     @app.get("/health")
     async def health():
-        sched = engine.engine.scheduler
-        return {"status": "ok", "running": len(sched.running), "waiting": len(sched.waiting),
-                "free_blocks": engine.engine.manager.num_free_blocks, "in_flight": in_flight.count}
+        return health_report(engine, in_flight)
 
     return app
 

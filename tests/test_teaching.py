@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-TAUGHT = [p for p in NOTEBOOKS if p.name[:2] in {"01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "15", "16"}]
+TAUGHT = [p for p in NOTEBOOKS if p.name[:2] in {"01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "14", "15", "16"}]
 MIN_PROSE = 0.45
 MAX_LESSON_LINES = 40
 
