@@ -88,7 +88,7 @@ def admit(manager: BlockManager, waiting: deque[Sequence], running: list[Sequenc
 
     Returns (admitted: to prefill this step, rejected: can never fit)."""
     admitted, rejected = [], []
-    fresh: set[int] = set()  # blocks given out in this call: their keys exist only after this step's prefill
+    fresh: set[int] = set()  # blocks newly given out in this call: their keys exist only after this step's prefill
     while waiting and len(running) < max_num_seqs:
         seq = waiting[0]
         ids = seq.token_ids
@@ -102,7 +102,7 @@ def admit(manager: BlockManager, waiting: deque[Sequence], running: list[Sequenc
             break  # its prefix is being computed now (prefill batches may run in any order): next step
         waiting.popleft()
         seq.num_cached = manager.allocate(seq.id, ids)
-        fresh.update(manager.block_table(seq.id))
+        fresh.update(manager.block_table(seq.id)[seq.num_cached // manager.block_size:])  # reused ones are computed
         seq.status = RUNNING
         running.append(seq)
         admitted.append(seq)

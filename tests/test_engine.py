@@ -69,6 +69,24 @@ def test_prefix_shared_within_one_step_is_computed_before_it_is_read(tiny, tok, 
     assert engine.manager.hits >= 3  # the second prompt still reused the shared blocks
 
 
+def test_requests_sharing_a_computed_prefix_join_together(tiny, tok):
+    """A server's chats share one system prompt: the first computes its blocks, and every later
+    one may reuse them at once (only blocks allocated new in a step make the next prompt wait)."""
+    system = list(range(10, 58))  # 48 shared tokens: 3 full blocks of 16
+    prompts = [system + [100 + k] * (k + 2) for k in range(4)]
+    engine = Engine(tiny, tok, num_blocks=64)
+    ids = [engine.add_request(p, max_new_tokens=4, eos_token_ids=()) for p in prompts]
+    first, second = engine.step(), engine.step()
+    assert {o.request_id for o in first} == {ids[0]}  # the shared blocks are being computed
+    assert {o.request_id for o in second} == set(ids)  # all three others join in one step
+    outputs = first + second
+    while engine.has_unfinished():
+        outputs += engine.step()
+    got = [[o.token_id for o in outputs if o.request_id == i] for i in ids]
+    assert got == alone(tiny, tok, prompts, [4] * 4)
+    assert engine.manager.hits >= 9  # 3 shared blocks reused by each of the three
+
+
 def test_sampled_requests_keep_their_own_seeds(tiny, tok):
     prompts, _ = mixed(6, seed=3)
     params = [SamplingParams(temperature=1.0, seed=k) for k in range(6)]
