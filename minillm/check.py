@@ -9,14 +9,27 @@ In an exercise notebook:      from minillm import check; check.rms_norm(rms_norm
 From the command line:        python -m minillm.check exercises/04_norm_mlp.ipynb
                               python -m minillm.check submissions/        (every notebook in a folder)
                               python -m minillm.check my_layers.py        (a student's module)
+Grading a class:              python -m minillm.check grade submissions/ [--csv grades.csv]
 
-The checks live in minillm/check_model.py (notebooks 01-05) and minillm/check_serving.py (08-13),
+`grade` treats each first-level folder of submissions/ as one student (every .ipynb and .py under
+it), or each file directly in submissions/ as a student named by the file's stem; it runs every
+check quietly and prints a table, student x exercise, of checks passed out of checks run
+(`3/3`, `0/3`; `-` where a student handed in nothing for that exercise). --csv writes the same
+table, one row per student, with a `passed` and a `total` column per exercise (numbers, so that
+a spreadsheet does not read 3/3 as a date). An exercise is named by the reference notebook it was
+generated from (09_sampling), else by the file's stem. It runs students' code: use a sandbox.
+
+The checks live in minillm/check_model.py (notebooks 01-05), minillm/check_loading.py (06, 07, 10)
+and minillm/check_serving.py (08-13),
 on the harness of minillm/check_harness.py; this module names them (CHECKS) and runs them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
+import io
 import json
 import re
 import sys
@@ -25,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from minillm.check_harness import CheckFailed
+from minillm.check_loading import bpe, stop_strings_push, stream, stream_decoder_push, unpermute_qk
 from minillm.check_model import (
     apply_rope,
     attention_forward,
@@ -58,7 +72,8 @@ __all__ = [
     "rotate_half", "rope_cos_sin", "apply_rope",
     "rms_norm", "mlp_forward", "attention_forward", "decoder_layer_forward",
     "kv_cache_update", "gather_reference", "batch_layout", "top_k_filter", "top_p_filter", "min_p_filter", "quantize_int4", "dequantize_q4_1",
-    "CheckFailed", "CHECKS", "check_namespace", "check_path", "main",
+    "unpermute_qk", "bpe", "stream_decoder_push", "stop_strings_push", "stream",
+    "CheckFailed", "CHECKS", "check_namespace", "check_path", "grade", "main",
 ]
 
 
@@ -74,6 +89,8 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "KVCache.update": kv_cache_update, "gather_reference": gather_reference, "batch_layout": batch_layout,
     "top_k_filter": top_k_filter, "top_p_filter": top_p_filter, "min_p_filter": min_p_filter,
     "quantize_int4": quantize_int4, "dequantize_q4_1": dequantize_q4_1,
+    "unpermute_qk": unpermute_qk, "bpe": bpe, "StreamDecoder.push": stream_decoder_push,
+    "StopStrings.push": stop_strings_push, "stream": stream,
 }
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
@@ -134,7 +151,91 @@ def check_path(path: str | Path) -> tuple[int, int]:
     return check_namespace(module.__dict__, stubs)
 
 
+# ------------------------------------------------------------------ grading a folder of submissions
+
+
+def _submissions(folder: Path) -> list[tuple[str, Path]]:
+    """(student, file) for every notebook and module: first-level folders are students, loose files too."""
+    def wanted(q: Path) -> bool:
+        return q.suffix in (".ipynb", ".py") and ".ipynb_checkpoints" not in q.parts and not q.name.startswith(".")
+
+    out = []
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir() and not entry.name.startswith("."):
+            out += [(entry.name, q) for q in sorted(entry.rglob("*")) if q.is_file() and wanted(q.relative_to(folder))]
+        elif entry.is_file() and wanted(entry):
+            out.append((entry.stem, entry))
+    return out
+
+
+def _exercise(path: Path) -> str:
+    """The reference notebook an exercise came from (its stem), else the file's stem."""
+    if path.suffix == ".ipynb":
+        try:
+            source = json.loads(path.read_text(encoding="utf-8")).get("metadata", {}).get("minillm", {})
+            return Path(source["exercise_of"]).stem
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            pass
+    return path.stem
+
+
+def grade(folder: str | Path) -> dict[str, dict[str, tuple[int, int]]]:
+    """{student: {exercise: (passed, total)}} for a folder of submissions (the checks' output is not shown)."""
+    grades: dict[str, dict[str, tuple[int, int]]] = {}
+    for student, path in _submissions(Path(folder)):
+        with contextlib.redirect_stdout(io.StringIO()):
+            passed, total = check_path(path)
+        exercise = _exercise(path)
+        old = grades.setdefault(student, {}).get(exercise, (0, 0))
+        grades[student][exercise] = (old[0] + passed, old[1] + total)
+    return grades
+
+
+def grade_table(grades: dict[str, dict[str, tuple[int, int]]]) -> str:
+    exercises = sorted({e for row in grades.values() for e in row})
+    header = ["student", *exercises, "total"]
+    rows = []
+    for student, row in sorted(grades.items()):
+        p, t = sum(v[0] for v in row.values()), sum(v[1] for v in row.values())
+        rows.append([student, *(f"{row[e][0]}/{row[e][1]}" if e in row else "-" for e in exercises), f"{p}/{t}"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def write_grades_csv(grades: dict[str, dict[str, tuple[int, int]]], path: str | Path) -> None:
+    exercises = sorted({e for row in grades.values() for e in row})
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        out = csv.writer(f)
+        out.writerow(["student", *(f"{e} {k}" for e in exercises for k in ("passed", "total")), "passed", "total"])
+        for student, row in sorted(grades.items()):
+            cells = [x for e in exercises for x in (row[e] if e in row else ("", ""))]
+            out.writerow([student, *cells, sum(v[0] for v in row.values()), sum(v[1] for v in row.values())])
+
+
+def grade_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minillm.check grade",
+                                     description="Grade a folder of submissions: one first-level folder (or file) per student.")
+    parser.add_argument("folder", type=Path, help="the submissions folder")
+    parser.add_argument("--csv", type=Path, help="also write the table to this CSV file")
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        print(f"error: {args.folder} is not a folder", file=sys.stderr)
+        return 2
+    grades = grade(args.folder)
+    if not grades:
+        print(f"error: no .ipynb or .py files in {args.folder}", file=sys.stderr)
+        return 2
+    print(grade_table(grades))
+    if args.csv:
+        write_grades_csv(grades, args.csv)
+        print(f"wrote {args.csv}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["grade"]:
+        return grade_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m minillm.check",
                                      description="Check exercise notebooks or student modules.")
     parser.add_argument("paths", nargs="+", type=Path, help="exercise notebooks, .py modules, or folders of them")

@@ -157,15 +157,9 @@ class Completion:
 
 
 @torch.no_grad()
-def stream(
-    model: CausalLM,
-    tokenizer: Tokenizer,
-    prompt_ids: Sequence[int],
-    params: SamplingParams = SamplingParams(temperature=0),
-    max_new_tokens: int = 256,
-    stop: Sequence[str] = (),
-    eos_token_ids: Sequence[int] | None = None,
-) -> Iterator[Step]:
+def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+           params: SamplingParams = SamplingParams(temperature=0), max_new_tokens: int = 256,
+           stop: Sequence[str] = (), eos_token_ids: Sequence[int] | None = None) -> Iterator[Step]:
     """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings

@@ -85,7 +85,7 @@ def _check_layout(seq_ids: list, new_tokens, new: list[int], lengths: list[int],
 
 
 def _check_update(layout, pool_shape, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    (B, T), (N, bs, Hkv, D) = layout.slots.shape, pool_shape
+    (B, T), (Hkv, D) = layout.slots.shape, pool_shape[2:]  # the pool is (N, block_size, Hkv, D)
     if pos != layout.start_pos or k.shape != (B, Hkv, T, D) or v.shape != k.shape:
         raise ValueError(f"PagedView.update: expected pos {layout.start_pos} and k, v (B, Hkv, T, D) = "
                          f"{(B, Hkv, T, D)}, got pos {pos}, k {tuple(k.shape)}, v {tuple(v.shape)}")

@@ -45,6 +45,56 @@ def _check_weight(w: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected a 2-D floating weight (N, K), got {got}")
 
 
+def check_group_size(K: int, group_size: int, name: str = "weight") -> None:
+    """ValueError unless group_size is one of GROUP_SIZES and divides K (names the layer and sizes)."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    if K % group_size:
+        fits = [g for g in GROUP_SIZES if K % g == 0]
+        raise ValueError(f"{name}: input features K={K} is not a multiple of group_size {group_size} "
+                         f"(remainder {K % group_size}); group sizes that divide {K}: "
+                         f"{', '.join(map(str, fits)) or 'none'}")
+
+
+def _pick_kernel(kernel: str, mode: str, device: torch.device, n_out: int) -> str:
+    """'packed' where torch has the kernel for this device and shape, else 'reference' (for 'auto')."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    packed_ok = device.type == "cpu" and (mode == "int8" or n_out % 16 == 0)
+    if kernel == "packed" and not packed_ok:
+        raise ValueError(f"no packed {mode} kernel for {device.type} with N={n_out}; supported: {SUPPORTED}")
+    return kernel if kernel != "auto" else ("packed" if packed_ok else "reference")
+
+
+def _check_input(x: torch.Tensor, K: int, kernel: str, mode: str) -> None:
+    if x.shape[-1] != K:
+        raise ValueError(f"{mode} linear: input has {x.shape[-1]} features, expected K={K}")
+    if kernel == "packed" and x.device.type != "cpu":
+        raise ValueError(f"the packed {mode} kernel got an input on {x.device.type}; supported: {SUPPORTED}")
+
+
+def _check_int4_buffers(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    (N, K), G = qweight.shape, scales.shape[1]
+    if qweight.dtype != torch.uint8 or K % G or tuple(scales.shape) != (N, G) or tuple(zeros.shape) != (N, G):
+        raise ValueError(f"Int4Linear: expected q (N, K) uint8 with scales and zeros (N, K/g), got "
+                         f"{tuple(qweight.shape)} {qweight.dtype}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
+
+
+def _check_quantizable(model: nn.Module, mode: str, group_size: int, kernel: str) -> None:
+    """quantize_model's checks, all before any layer is replaced: a refused model is left as it was."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    for name, parent, attr in _linears(model):
+        if not isinstance(getattr(parent, attr), nn.Linear):
+            raise ValueError(f"{name} is {type(getattr(parent, attr)).__name__}, not nn.Linear: already quantized?")
+        if mode == "int4":
+            check_group_size(getattr(parent, attr).in_features, group_size, name)
+    if mode == "int4" and model.lm_head is not None:
+        check_group_size(model.lm_head.in_features, group_size, "lm_head")
+
+
 def quantize_int8(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax per output channel: w ≈ q * scale, q int8 in [-127, 127].
 
@@ -59,17 +109,6 @@ def quantize_int8(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """q * scale as float32 (N, K): the reference the kernels are checked against."""
     return qweight.float() * scales.float()[:, None]
-
-
-def check_group_size(K: int, group_size: int, name: str = "weight") -> None:
-    """ValueError unless group_size is one of GROUP_SIZES and divides K (names the layer and sizes)."""
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
-    if K % group_size:
-        fits = [g for g in GROUP_SIZES if K % g == 0]
-        raise ValueError(f"{name}: input features K={K} is not a multiple of group_size {group_size} "
-                         f"(remainder {K % group_size}); group sizes that divide {K}: "
-                         f"{', '.join(map(str, fits)) or 'none'}")
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,23 +148,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_int4: (..., K/2) uint8 -> (..., K) uint8 in 0..15."""
     both = torch.stack([packed & 0x0F, packed >> 4], dim=-1)  # (..., K/2, 2): low nibble first
     return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)  # (..., K/2, 2) -> (..., K)
-
-
-def _pick_kernel(kernel: str, mode: str, device: torch.device, n_out: int) -> str:
-    """'packed' where torch has the kernel for this device and shape, else 'reference' (for 'auto')."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    packed_ok = device.type == "cpu" and (mode == "int8" or n_out % 16 == 0)
-    if kernel == "packed" and not packed_ok:
-        raise ValueError(f"no packed {mode} kernel for {device.type} with N={n_out}; supported: {SUPPORTED}")
-    return kernel if kernel != "auto" else ("packed" if packed_ok else "reference")
-
-
-def _check_input(x: torch.Tensor, K: int, kernel: str, mode: str) -> None:
-    if x.shape[-1] != K:
-        raise ValueError(f"{mode} linear: input has {x.shape[-1]} features, expected K={K}")
-    if kernel == "packed" and x.device.type != "cpu":
-        raise ValueError(f"the packed {mode} kernel got an input on {x.device.type}; supported: {SUPPORTED}")
 
 
 def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
@@ -168,28 +190,32 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
+def _int4_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4Linear's buffers: scales_and_zeros (K/g, N, 2) bf16, and q (N, K) packed to (N, K/2) uint8."""
+    sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # (N, K/g, 2) -> (K/g, N, 2)
+    if kernel == "packed":  # (N, K) int32 -> (N, K/2) uint8, tiled for the kernel
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qweight.to(torch.int32), 2)
+    else:
+        packed = pack_int4(qweight)  # (N, K) -> (N, K/2)
+    return sz.to(torch.bfloat16).contiguous(), packed
+
+
 class Int4Linear(nn.Module):
     """y = x @ ((q - 8) * scale + zero).T + bias, q 4-bit, a bf16 scale and zero per group of inputs.
 
-    qweight is (N, K/2) uint8, two values per byte: in torch's own tiled layout for the packed
-    kernel, in pack_int4's plain layout for the reference path."""
+    qweight: (N, K/2) uint8, in torch's tiled layout for the packed kernel, pack_int4's for reference."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, kernel: str = "auto"):
         super().__init__()
+        _check_int4_buffers(qweight, scales, zeros)
         (N, K), G = qweight.shape, scales.shape[1]
-        if qweight.dtype != torch.uint8 or K % G or tuple(scales.shape) != (N, G) or tuple(zeros.shape) != (N, G):
-            raise ValueError(f"Int4Linear: expected q (N, K) uint8 with scales and zeros (N, K/g), got "
-                             f"{tuple(qweight.shape)} {qweight.dtype}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
         self.out_features, self.in_features, self.group_size = N, K, K // G
         self.kernel = _pick_kernel(kernel, "int4", qweight.device, N)
-        sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # (N, K/g, 2) -> (K/g, N, 2)
-        self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16).contiguous())  # the kernel's layout
-        if self.kernel == "packed":  # (N, K) int32 -> (N, K/2) uint8, tiled for the kernel
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qweight.to(torch.int32), 2)
-        else:
-            packed = pack_int4(qweight)  # (N, K) -> (N, K/2)
-        self.register_buffer("qweight", packed)
+        sz, packed = _int4_layout(qweight, scales, zeros, self.kernel)
+        self.register_buffer("scales_and_zeros", sz)  # (K/g, N, 2) bf16: the kernel's layout
+        self.register_buffer("qweight", packed)  # (N, K/2) uint8
         self.bias = _bias(bias)
 
     @classmethod
@@ -283,20 +309,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, kernel: st
     The embedding becomes int8 rows (Int8Embedding); a tied head shares that int8 table in both modes
     (as llama.cpp keeps token_embd at Q8_0). Every layer is checked before any is replaced, so a bad
     group size leaves the model as it was."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    layers = _linears(model)
-    for name, parent, attr in layers:
-        if not isinstance(getattr(parent, attr), nn.Linear):
-            raise ValueError(f"{name} is {type(getattr(parent, attr)).__name__}, not nn.Linear: already quantized?")
-        if mode == "int4":
-            check_group_size(getattr(parent, attr).in_features, group_size, name)
-    if mode == "int4" and model.lm_head is not None:
-        check_group_size(model.lm_head.in_features, group_size, "lm_head")
-
-    for name, parent, attr in layers:
+    _check_quantizable(model, mode, group_size, kernel)
+    for name, parent, attr in _linears(model):
         setattr(parent, attr, quantize_linear(getattr(parent, attr), mode, group_size, name, kernel))
     if model.lm_head is not None:
         model.lm_head = quantize_linear(model.lm_head, mode, group_size, "lm_head", kernel)

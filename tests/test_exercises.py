@@ -3,7 +3,11 @@ the reference package passes every check, and planted mistakes fail with the exp
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import csv
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -77,6 +81,7 @@ def _calls(ns: dict) -> dict:
         "min_p_filter": lambda f: f(torch.randn(1, 5), 0.1),
         "quantize_int4": lambda f: f(torch.randn(2, 32), 32),
         "dequantize_q4_1": lambda f: f(torch.zeros(20, dtype=torch.uint8), (1, 32)),
+        **_loading_calls(),
     }
 
 
@@ -145,6 +150,155 @@ def test_cli_checks_a_student_module(tmp_path, capsys):
     assert "offset by the cache position" in capsys.readouterr().out
 
 
+# ---------------------------------------------------------------- notebooks 06, 07, 10: GGUF rows, BPE, streaming, the loop
+# (minillm/check_loading.py: the stubs' calls, the references and the planted mistakes, used by the tests above and below)
+
+import inspect  # noqa: E402
+
+from minillm import check_loading, generate, tokenizer, weights  # noqa: E402
+
+
+def test_loading_exercises_exist():
+    names = {p.name for p in EXERCISES}
+    for name in ["06_weights", "07_tokenizer", "10_generate"]:
+        assert f"{name}.ipynb" in names
+
+
+def _loading_calls() -> dict:
+    lm, tok = check_loading._tiny_lm()
+    return {
+        "unpermute_qk": lambda f: f(torch.zeros(8, 4), 2),
+        "bpe": lambda f: f(b"ab", {b"ab": 0}),
+        "StreamDecoder.push": lambda cls: cls(tok).push(0),
+        "StopStrings.push": lambda cls: cls(["x"]).push("a"),
+        "stream": lambda f: list(f(lm, tok, [1, 2], max_new_tokens=2)),
+    }
+
+
+LOADING_REFERENCE = {
+    "unpermute_qk": weights.unpermute_qk, "bpe": tokenizer.bpe, "StreamDecoder.push": tokenizer.StreamDecoder,
+    "StopStrings.push": generate.StopStrings, "stream": generate.stream,
+}
+
+
+def unpermute_with_llama_cpp_permute(w, n_heads):
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def unpermute_whole_matrix(w, n_heads):
+    return weights.unpermute_qk(w, 1)
+
+
+def bpe_first_pair_from_left(piece, ranks, max_rank=None):
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    merged = True
+    while merged:
+        merged = False
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and (max_rank is None or rank < max_rank):
+                parts[i:i + 2] = [parts[i] + parts[i + 1]]
+                merged = True
+                break
+    return parts
+
+
+def bpe_ignoring_max_rank(piece, ranks, max_rank=None):
+    return tokenizer.bpe(piece, ranks)
+
+
+def bpe_one_merge(piece, ranks, max_rank=None):
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    pairs = [(ranks[a + b], i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks]
+    if pairs:
+        _, i = min(pairs)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+class DecoderEachTokenAlone(tokenizer.StreamDecoder):
+    def push(self, token_id):
+        if self.skip_special_tokens and token_id in self.tokenizer.special_ids:
+            return ""
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+class DecoderNeverSkipping(tokenizer.StreamDecoder):
+    def push(self, token_id):
+        return self._utf8.decode(self.tokenizer.token_bytes(token_id))
+
+
+class StopsWithoutHolding(generate.StopStrings):
+    def push(self, text):
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        out, self.pending = (self.pending[: min(hits)] if hits else self.pending), ""
+        return out, bool(hits)
+
+
+class StopsSearchingNewTextOnly(generate.StopStrings):
+    def push(self, text):
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            out, self.pending = self.pending + text[: min(hits)], ""
+            return out, True
+        self.pending += text
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+
+def _stream_variant(name: str, old: str, new: str):
+    """generate.stream with one line of its loop changed: a planted mistake in the student's region."""
+    source = inspect.getsource(generate.stream)
+    assert source.count(old) == 1, old
+    namespace = dict(vars(generate))
+    exec(compile(source.replace(old, new), name, "exec"), namespace)
+    namespace["stream"].__name__ = name
+    return namespace["stream"]
+
+
+stream_decoding_one_position_late = _stream_variant("stream_decoding_one_position_late",
+                                                    "start_pos=len(seen) - 1", "start_pos=len(seen)")
+stream_without_cache = _stream_variant("stream_without_cache",
+                                       "model(pick.tokens.view(1, 1), cache=cache, start_pos=len(seen) - 1)",
+                                       "model(torch.tensor([seen], device=device))")
+stream_without_history = _stream_variant("stream_without_history",
+                                         "token_ids=[seen], prompt_lengths=[len(prompt_ids)]", "")
+
+LOADING_PLANTED = [
+    ("unpermute_qk", unpermute_with_llama_cpp_permute, "not its inverse"),
+    ("unpermute_qk", unpermute_whole_matrix, "per head"),
+    ("bpe", bpe_first_pair_from_left, "merge the pair of LOWEST rank anywhere"),
+    ("bpe", bpe_ignoring_max_rank, "merge only pairs ranked below it"),
+    ("bpe", bpe_one_merge, "repeat until no adjacent pair is in ranks"),
+    ("StreamDecoder.push", DecoderEachTokenAlone, "a character's bytes can be split across tokens"),
+    ("StreamDecoder.push", DecoderNeverSkipping, "tokenizer.special_ids"),
+    ("StopStrings.push", StopsWithoutHolding, "hold back the last len(longest stop string) - 1 characters"),
+    ("StopStrings.push", StopsSearchingNewTextOnly, "split across pushes"),
+    ("stream", stream_decoding_one_position_late, "position len(seen) - 1"),
+    ("stream", stream_without_cache, "decode one token at a time"),
+    ("stream", stream_without_history, "pass token_ids=[seen]"),
+]
+
+
+def test_stream_check_uses_a_model_that_does_not_repeat_itself():
+    """The tiny model's greedy run must vary, or a wrong decode position could go unnoticed."""
+    lm, tok = check_loading._tiny_lm()
+    tokens = check_loading._reference_run(lm, tok, [7, 4, 11, 11, 14], sampling.SamplingParams(temperature=0), 8, ())[0]
+    assert len(set(tokens)) >= 4, tokens
+
+
+def test_bpe_reference_matches_tiktoken():
+    """The checker's BPE on Qwen's ranks gives tiktoken's tokens (an independent implementation)."""
+    import tiktoken
+
+    ranks = check_loading._qwen_ranks()
+    enc = tiktoken.Encoding("qwen-ranks", pat_str=r"[\s\S]+", mergeable_ranks=ranks, special_tokens={})
+    for text in check_loading._QWEN_TEXTS:
+        assert [ranks[p] for p in check_loading._bpe(text.encode(), ranks)] == enc.encode_ordinary(text), text
+
+
 # ---------------------------------------------------------------- the reference passes
 
 REFERENCE = {
@@ -157,6 +311,7 @@ REFERENCE = {
     "batch_layout": paged_cache.batch_layout, "top_k_filter": sampling.top_k_filter,
     "top_p_filter": sampling.top_p_filter, "min_p_filter": sampling.min_p_filter,
     "quantize_int4": quant.quantize_int4, "dequantize_q4_1": quant.dequantize_q4_1,
+    **LOADING_REFERENCE,
 }
 
 
@@ -341,6 +496,7 @@ PLANTED = [
     ("quantize_int4", int4_zeros_at_lo, "lo + 8 * scale"),
     ("quantize_int4", int4_sixteen_steps, "divide by 15, not 16"),
     ("dequantize_q4_1", q4_1_adjacent_nibbles, "not q_{2j} and q_{2j+1}"),
+    *LOADING_PLANTED,
 ]
 
 
@@ -366,8 +522,8 @@ def test_stub_cell_keeps_signature_docstring_and_indentation():
            '        ### END SOLUTION\n\n\ndef f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n')
     out, stubs = make_exercises.stub_cell(src, "test")
     assert stubs == ["Cache.update", "f"]
-    assert '        raise NotImplementedError("exercise: implement Cache.update; see the hint above")' in out
-    assert '    raise NotImplementedError("exercise: implement f; see the hint above")' in out
+    assert f'        raise NotImplementedError("exercise: implement Cache.update; {make_exercises.SEE_HINT}")' in out
+    assert f'    raise NotImplementedError("exercise: implement f; {make_exercises.SEE_HINT}")' in out
     assert '"""Doc."""' in out and 'raise ValueError("pos")' in out and "return pos + 1" not in out
     with pytest.raises(make_exercises.ExerciseError):
         make_exercises.stub_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n", "test")
@@ -388,6 +544,7 @@ def _write_reference(root: Path, body: str, doc: str = "Doc.") -> Path:
          "outputs": [{"output_type": "stream", "name": "stdout", "text": ["6\n"]}],
          "source": ["#| export\n", "def rms_norm(x):\n", f'    """{doc}"""\n', "    ### BEGIN SOLUTION\n",
                     f"    {body}\n", "    ### END SOLUTION\n"]},
+        {"cell_type": "markdown", "metadata": {}, "source": ["<!-- exercise: hint rms_norm -->\n", "Twice x."]},
         {"cell_type": "code", "execution_count": 3, "metadata": {}, "outputs": [],
          "source": ["from minillm.double import rms_norm\n", "print(rms_norm(3))"]},
     ]
@@ -415,3 +572,225 @@ def test_make_exercises_writes_and_checks_a_small_project(tmp_path, capsys):
     capsys.readouterr()
     assert make_exercises.main(["--check", "--root", str(tmp_path)]) == 1
     assert "exercises/01_double.ipynb" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- no answers leak, every stub has a hint
+
+
+def _defined(source: str) -> list[tuple[str, str]]:
+    """(name, code) of each top-level def, class and `name = lambda` of a cell (not the rest: no plots)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append((node.name, ast.get_source_segment(source, node, padded=True)))
+            if node.decorator_list:  # the segment starts at `def`: put the decorators back
+                out[-1] = (node.name, "\n".join("@" + ast.get_source_segment(source, d) for d in node.decorator_list)
+                           + "\n" + out[-1][1])
+        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)
+              and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            out.append((node.targets[0].id, ast.get_source_segment(source, node)))
+    return out
+
+
+def exercise_candidates(path: Path) -> tuple[dict, dict, list[tuple[list[str], list[tuple[str, object]]]]]:
+    """Run an exercise's module cells and the definitions of its other cells (stubs in place).
+
+    Returns the module namespace, the other cells' namespace and, for each check cell in order:
+    (the stubs it checks, every (name, function or class) that the cells above it define).
+    """
+    ns, stubs = exec_notebook_code(path)
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    extra = dict(ns)  # the other cells' definitions see the module's names, and do not shadow them in ns
+    by_check = {make_exercises.check_name(s): s for s in stubs}
+    seen: dict[str, object] = {}
+    out = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = "".join(cell["source"])
+        if src.startswith("from minillm import check"):
+            names = [by_check[m] for m in __import__("re").findall(r"check\.(\w+)\(", src)]
+            out.append((names, list(seen.items())))
+            continue
+        module = "module" in cell["metadata"].get("tags", [])
+        for name, code in _defined(src):
+            if not module:
+                try:
+                    exec(compile(code, f"{path.name}:{name}", "exec"), extra)
+                except Exception:  # a class body or default that needs the cell's data: not a candidate
+                    continue
+            obj = (ns if module else extra).get(name)
+            if callable(obj):
+                seen[name] = obj
+    return ns, extra, out
+
+
+@contextlib.contextmanager
+def _solved_except(spaces: list[dict], stubs: list[str], keep: str):
+    """Every stub but `keep` replaced by the reference in the namespaces: a leak that needs the others shows."""
+    tops = {s.split(".")[0] for s in stubs} - {keep.split(".")[0]}
+    saved = [{t: space.get(t) for t in tops} for space in spaces]
+    for space in spaces:
+        for s in stubs:
+            if s.split(".")[0] in tops and s in REFERENCE:
+                space[s.split(".")[0]] = REFERENCE[s]
+    try:
+        yield
+    finally:
+        for space, old in zip(spaces, saved):
+            space.update(old)
+
+
+def find_leaks(path: Path) -> list[str]:
+    """With its stubs in place every check fails (asserted), and the functions and classes defined
+    above a check (module cells and the lesson's own cells) that pass it, with the notebook's other
+    stubs solved (a leak that needs them shows too)."""
+    ns, extra, checks = exercise_candidates(path)
+    leaks = []
+    for names, candidates in checks:
+        for name in names:
+            if name not in check.CHECKS:
+                continue  # test_every_stub_raises_not_implemented names it
+            stub = ns[name.split(".")[0]]
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                assert check.CHECKS[name](stub) is False, f"{path.name}: {name}'s check passes on the stub"
+            assert "not implemented yet" in out.getvalue(), out.getvalue()
+            stubs = [n for group, _ in checks for n in group]
+            with _solved_except([ns, extra], stubs, name):
+                for cand_name, obj in candidates:
+                    if obj is stub:
+                        continue
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        if check.CHECKS[name](obj):
+                            leaks.append(f"{cand_name} passes check.{make_exercises.check_name(name)}")
+    return leaks
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
+def test_no_cell_above_a_check_passes_it(path):
+    leaks = find_leaks(path)
+    assert not leaks, f"{path.name}: cells above a check give its answer away (mark them, see make_exercises): {leaks}"
+
+
+def test_the_leak_test_finds_a_leak(tmp_path):
+    """A lesson cell that computes top_p_filter above its check (needing top_k_filter, solved) is found."""
+    nb = json.loads((ROOT / "exercises" / "09_sampling.ipynb").read_text(encoding="utf-8"))
+    at = next(i for i, c in enumerate(nb["cells"]) if "check.top_p_filter(top_p_filter)" in "".join(c["source"]))
+    leak = inspect.getsource(sampling.top_p_filter).replace("def top_p_filter(", "def nucleus(")
+    leak = leak.replace("    return logits.masked_fill(remove", "    top_k_filter(logits, 0)\n    return logits.masked_fill(remove")
+    nb["cells"].insert(at - 3, {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                                "source": leak.splitlines(keepends=True)})
+    path = tmp_path / "09_sampling.ipynb"
+    path.write_text(json.dumps(nb))
+    assert find_leaks(path) == ["nucleus passes check.top_p_filter"]
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
+def test_every_stub_has_one_collapsed_hint_between_it_and_its_check(path):
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    cells = nb["cells"]
+    for name in nb["metadata"]["minillm"]["stubs"]:
+        call = f"check.{make_exercises.check_name(name)}({name.split('.')[0]})"
+        at = next(i for i, c in enumerate(cells) if c["cell_type"] == "code" and call in "".join(c["source"]))
+        stub = max(i for i, c in enumerate(cells[:at]) if f"exercise: implement {name};" in "".join(c["source"]))
+        between = ["".join(c["source"]) for c in cells[stub + 1 : at]]
+        assert all(c["cell_type"] == "markdown" for c in cells[stub + 1 : at])
+        assert len(between) >= 1 and all(b.startswith("<details><summary>Hint</summary>") for b in between), between
+        assert make_exercises.SEE_HINT in "".join(cells[stub]["source"])
+        assert "### BEGIN SOLUTION" not in "".join(between) and "exercise:" not in "".join(between)
+    text = path.read_text(encoding="utf-8")
+    assert "hint above" not in text and "# exercise:" not in text and "<!-- exercise:" not in text
+
+
+def test_make_exercises_markers(tmp_path):
+    """drop, collapse, after check NAME[, collapsed] and hint NAME, on a small project; the errors name the cell."""
+    (tmp_path / "notebooks").mkdir()
+
+    def md(*lines):
+        return {"cell_type": "markdown", "metadata": {}, "source": "\n".join(lines)}
+
+    def code(*lines):
+        return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": "\n".join(lines)}
+
+    def write(cells):
+        path = tmp_path / "notebooks" / "01_double.ipynb"
+        cells = [code("#| default_exp double"), *cells]
+        path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+        return path
+
+    lesson = [
+        md("# Doubling"),
+        code("# exercise: after check rms_norm, collapsed", "def by_hand(x):", "    return 2 * x", "y = by_hand(3)"),
+        code("# exercise: drop", "assert by_hand(1) == 2"),
+        code("# exercise: collapse", "twice = 2"),
+        code("#| export", "def rms_norm(x):", "    ### BEGIN SOLUTION", "    return twice * x", "    ### END SOLUTION"),
+        md("<!-- exercise: hint rms_norm -->", "Twice x."),
+        code("# exercise: after check rms_norm", "print(y)"),
+    ]
+    nb = make_exercises.exercise_notebook(write(lesson), tmp_path)
+    sources = ["".join(c["source"]) for c in nb["cells"]]
+    assert not any("exercise:" in s and "implement" not in s for s in sources), sources
+    i = sources.index("from minillm import check\n\ncheck.rms_norm(rms_norm)")
+    assert sources[i - 1] == "<details><summary>Hint</summary>\n\nTwice x.\n\n</details>"
+    assert sources[i - 2].startswith("def rms_norm(x):") and make_exercises.SEE_HINT in sources[i - 2]
+    assert sources[i + 1].startswith("def by_hand(x):") and sources[i + 2] == "print(y)"  # moved, in order
+    hidden = [s for s, c in zip(sources, nb["cells"]) if c["metadata"].get("jupyter", {}).get("source_hidden")]
+    assert hidden == ["twice = 2", sources[i + 1]]
+    assert not any("assert by_hand" in s for s in sources)  # dropped
+
+    for cells, message in [
+        ([c for c in lesson if "hint" not in "".join(c["source"])], "has no hint cell"),
+        (lesson[:2] + lesson[3:5] + [md("<!-- exercise: hint rms_norm -->", "x")] + lesson[5:], "a second hint"),
+        (lesson[:3] + [code("# exercise: drop", "#| export", "z = 1")] + lesson[3:], "on an exported cell"),
+        (lesson + [code("# exercise: after check nothing", "1")], "not a stub above"),
+        ([lesson[0], code("# exercise: after check rms_norm", "y = 3"), code("print(y)")] + lesson[3:6], "reads `y`"),
+    ]:
+        with pytest.raises(make_exercises.ExerciseError, match=message):
+            make_exercises.exercise_notebook(write(cells), tmp_path)
+
+
+# ---------------------------------------------------------------- grading a folder of submissions
+
+
+def test_grade_a_folder_of_two_students(tmp_path, capsys):
+    import shutil
+
+    subs = tmp_path / "submissions"
+    (subs / "alice").mkdir(parents=True)
+    (subs / "bob" / "work").mkdir(parents=True)
+    shutil.copy(ROOT / "notebooks" / "09_sampling.ipynb", subs / "alice" / "09_sampling.ipynb")  # solved
+    shutil.copy(ROOT / "exercises" / "09_sampling.ipynb", subs / "bob" / "work" / "my_copy.ipynb")  # stubs
+    (subs / "bob" / ".ipynb_checkpoints").mkdir()
+    shutil.copy(ROOT / "notebooks" / "09_sampling.ipynb", subs / "bob" / ".ipynb_checkpoints" / "x.ipynb")  # ignored
+    (subs / "carol.py").write_text("import torch\n\ndef causal_mask(T, S, start=0, device=None):\n"
+                                   "    return torch.ones(T, S, dtype=torch.bool).tril()\n")  # a loose file: student carol
+    assert check.grade(subs) == {"alice": {"09_sampling": (3, 3)}, "bob": {"09_sampling": (0, 3)},
+                                 "carol": {"carol": (0, 1)}}
+    grades = tmp_path / "grades.csv"
+    assert check.main(["grade", str(subs), "--csv", str(grades)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" not in out and "FAIL" not in out  # the table only
+    table = [line.split() for line in out.splitlines()]
+    assert table[0] == ["student", "09_sampling", "carol", "total"]
+    assert table[1:4] == [["alice", "3/3", "-", "3/3"], ["bob", "0/3", "-", "0/3"], ["carol", "-", "0/1", "0/1"]]
+    with open(grades, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["student"] for r in rows] == ["alice", "bob", "carol"]
+    assert (rows[0]["09_sampling passed"], rows[0]["09_sampling total"], rows[0]["passed"], rows[0]["total"]) == ("3", "3", "3", "3")
+    assert (rows[1]["09_sampling passed"], rows[1]["total"], rows[1]["carol passed"]) == ("0", "3", "")
+    assert check.main(["grade", str(tmp_path / "nothing")]) == 2
+
+
+def test_grade_runs_as_a_module(tmp_path):
+    import shutil
+
+    (tmp_path / "dan").mkdir()
+    shutil.copy(ROOT / "exercises" / "08_kv_cache.ipynb", tmp_path / "dan")
+    result = subprocess.run([sys.executable, "-m", "minillm.check", "grade", str(tmp_path)], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["student", "08_kv_cache", "total", "dan", "0/1", "0/1"]

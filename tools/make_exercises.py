@@ -11,13 +11,54 @@ In a reference notebook, the lesson's code sits between nbgrader-style marker li
 Every notebook with such markers gets an exercise version in which:
 - each solution region becomes `raise NotImplementedError("exercise: implement <name>; ...")`
   at the region's indentation (the def line, docstring and argument checks stay);
-- a check cell `from minillm import check; check.<name>(<function or class>)` follows each cell
-  with a stub;
+- each cell with a stub is followed by the stub's Hint (see `hint NAME` below), then a check cell
+  `from minillm import check; check.<name>(<function or class>)`;
 - `#| export` / `#| default_exp` directives are removed (students' code is never exported); the
   cells that were exported are tagged `module` (`python -m minillm.check` runs those);
 - imports of the notebook's own module from minillm are dropped: the notebook defines those names;
 - outputs and execution counts are cleared (exercise notebooks are not executed in CI);
 - the notebook metadata records the stubs: metadata["minillm"]["stubs"].
+
+Marker lines: a reference cell whose FIRST line is an exercise marker is handled specially (the
+marker line itself never reaches the exercise). In a code cell the marker is a comment, in a
+markdown cell an HTML comment (invisible when the reference notebook is rendered):
+
+    # exercise: drop                        <!-- exercise: drop -->
+    # exercise: collapse
+    # exercise: after check NAME            <!-- exercise: after check NAME -->
+    # exercise: after check NAME, collapsed
+                                            <!-- exercise: hint NAME -->
+
+- `drop`: the cell is left out of the exercise. Use it for a cell that computes what a stub must
+  compute (a worked version, a near-answer with one planted bug) when no later cell needs it.
+- `collapse` (code only): the cell stays where it is, its source collapsed in the exercise (metadata
+  jupyter.source_hidden). The fallback for a leaking cell that can be neither dropped nor moved
+  because cells above the check need it; the student sees its output and opens it with a click.
+- `after check NAME`: the cell goes right below NAME's check cell (it stays where it is if it is
+  already below it). Use it for a leaking cell that later cells need, and for the cells that must
+  travel with it (its prose, cells that use what it defines): moved cells keep their order.
+- `after check NAME, collapsed`: the same, and the code cell's source is collapsed in the
+  exercise (metadata jupyter.source_hidden): the leaking cell itself, so that the answer is not in
+  plain sight of a student scrolling down, and one click away once they have passed the check.
+- `hint NAME` (markdown only): the hint for stub NAME: where to look (which equation, which
+  cell, which torch function family), never the code. Write it next to the lesson, right after
+  the cell with the solution, as a collapsed block:
+
+      <!-- exercise: hint rms_norm -->
+      <details><summary>Hint</summary>
+
+      The four steps of the recipe above ...
+
+      </details>
+
+  In the exercise it is placed after the stub's cell, before the check cell (a body without
+  `<details>` is wrapped in one). Every stub needs exactly one hint: a missing one is an error.
+  The stub's NotImplementedError says "see the Hint below".
+
+Markers are validated: an unknown NAME, a `drop`, `collapse` or `after check` on an exported cell,
+a stub without a hint, or a move/drop that changes which cell provides a name that another
+exercise cell reads (a NameError or a silently different value when the student runs it) are
+errors that name the notebook and cell.
 
 Usage:
     python tools/make_exercises.py           write exercises/*.ipynb
@@ -28,6 +69,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import ast
+import builtins
 import json
 import re
 import sys
@@ -42,6 +85,9 @@ _BEGIN = re.compile(r"^(\s*)### BEGIN SOLUTION\s*$")
 _END = re.compile(r"^\s*### END SOLUTION\s*$")
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
 _CLASS = re.compile(r"^(\s*)class\s+(\w+)")
+_ACTION = r"exercise:\s*(drop|collapse|after check\s+[\w.]+(?:,\s*collapsed)?|hint\s+[\w.]+)"
+_MARKER = {"code": re.compile(rf"^#\s*{_ACTION}\s*$"), "markdown": re.compile(rf"^<!--\s*{_ACTION}\s*-->\s*$")}
+SEE_HINT = "see the Hint below"
 
 
 class ExerciseError(Exception):
@@ -92,7 +138,7 @@ def stub_cell(source: str, where: str) -> tuple[str, list[str]]:
         end = next((j for j in range(i + 1, len(lines)) if _END.match(lines[j]) or _BEGIN.match(lines[j])), None)
         if end is None or _BEGIN.match(lines[end]):
             raise ExerciseError(f"{where}: '### BEGIN SOLUTION' in {name} has no matching END")
-        out.append(f'{m.group(1)}raise NotImplementedError("exercise: implement {name}; see the hint above")')
+        out.append(f'{m.group(1)}raise NotImplementedError("exercise: implement {name}; {SEE_HINT}")')
         stubs.append(name)
         i = end + 1
     return "\n".join(out), stubs
@@ -116,6 +162,100 @@ def _markdown(source: str) -> dict:
     return {"cell_type": "markdown", "metadata": {}, "source": source.splitlines(keepends=True)}
 
 
+def marker(cell: dict) -> tuple[str, str | None, str]:
+    """(action, NAME or None, source without the marker line) of a cell; action '' when unmarked.
+
+    action: 'drop', 'collapse', 'after check', 'after check, collapsed', 'hint' or ''.
+    """
+    src = _source(cell)
+    first, _, rest = src.partition("\n")
+    pattern = _MARKER.get(cell.get("cell_type", ""))
+    m = pattern.match(first.strip()) if pattern else None
+    if not m:
+        return "", None, src
+    words = m.group(1).replace(",", " ").split()
+    if words[0] == "after":
+        return "after check" + (", collapsed" if words[-1] == "collapsed" else ""), words[2], rest.lstrip("\n")
+    return words[0], words[1] if len(words) > 1 else None, rest.lstrip("\n")
+
+
+def _names(source: str) -> tuple[set[str], set[str]]:
+    """(names a code cell binds at its top level, global names it reads that it does not bind): for moves.
+
+    Imported names count as bound by no cell (re-importing a module gives the same module).
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set(), set()
+    stores: set[str] = set()
+    reads: set[str] = set()
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+    def local_names(fn) -> set[str]:
+        args = fn.args if not isinstance(fn, ast.ClassDef) else None
+        out = {a.arg for a in (args.posonlyargs + args.args + args.kwonlyargs) if a} if args else set()
+        if args:
+            out |= {a.arg for a in (args.vararg, args.kwarg) if a}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                out.add(node.id)
+            elif isinstance(node, scopes) and node is not fn and not isinstance(node, ast.Lambda):
+                out.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                out.update((a.asname or a.name).split(".")[0] for a in node.names)
+        return out
+
+    def visit(node, local: set[str] | None):
+        if isinstance(node, scopes):
+            if local is None and not isinstance(node, ast.Lambda):
+                stores.add(node.name)
+            local = (local or set()) | local_names(node)
+        elif isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Store):
+                if local is None:
+                    stores.add(node.id)
+            elif local is None or node.id not in local:
+                reads.add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child, local)
+
+    visit(tree, None)
+    imported = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    return stores - imported, reads - stores - imported - set(dir(builtins))
+
+
+def _flow_problems(ref: list[tuple[int, str]], ex: list[tuple[int, str]], rel: str) -> list[str]:
+    """Cells whose read names come from another cell in the exercise than in the reference.
+
+    ref, ex: (reference cell index, code) in each notebook's order (ex: only reference cells).
+    """
+    info = {n: _names(src) for n, src in ref}
+
+    def providers(order):
+        out, last = {}, {}
+        for n, _ in order:
+            out[n] = {name: last.get(name) for name in info[n][1]}
+            for name in info[n][0]:
+                last[name] = n
+        return out
+
+    before, after = providers(ref), providers(ex)
+    problems = []
+    for n, _ in ex:
+        for name, cell in sorted(after[n].items()):
+            if cell != before[n][name]:
+                problems.append(f"{rel} cell {n} reads `{name}` from cell {before[n][name]} in the reference "
+                                f"but from cell {cell} in the exercise (mark the cells that go with it)")
+    return problems
+
+
+def _hint(source: str) -> str:
+    body = source.strip("\n")
+    return body if "<details>" in body else f"<details><summary>Hint</summary>\n\n{body}\n\n</details>"
+
+
 def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
     """The exercise version of a reference notebook, or None if it has no solution markers."""
     nb = json.loads(notebook.read_text(encoding="utf-8"))
@@ -123,35 +263,91 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
     modules = set(module_texts(notebook, root))  # what this notebook exports: the exercise defines those names itself
     own_import = (re.compile(rf"^from minillm\.({'|'.join(map(re.escape, sorted(modules)))}) import [\w, ]+$")
                   if modules else None)
+    ref_cells = nb.get("cells", [])
+    hints: dict[str, str] = {}
+    for n, cell in enumerate(ref_cells):  # hints first: each goes right after its stub's cell
+        action, name, src = marker(cell)
+        if action == "hint" and cell.get("cell_type") != "markdown":
+            raise ExerciseError(f"{rel} cell {n}: a hint is a markdown cell")
+        if action == "hint":
+            if name in hints:
+                raise ExerciseError(f"{rel} cell {n}: a second hint for {name}")
+            hints[name] = _hint(src)
     cells: list[dict] = []
     all_stubs: list[str] = []
-    for n, cell in enumerate(nb.get("cells", [])):
-        src = _source(cell)
-        if cell.get("cell_type") != "code":
-            cells.append({"cell_type": cell["cell_type"], "metadata": {}, "source": src.splitlines(keepends=True)})
+    checked: set[str] = set()
+    pending: dict[str, list[tuple[int, dict]]] = {}  # stub -> cells waiting for its check
+    ref_code: list[tuple[int, str]] = []  # (reference index, code) in reference order, for the flow check
+    placed: list[tuple[int, dict]] = []  # (reference index, cell) in exercise order
+
+    def emit(n: int, cell: dict) -> None:
+        cells.append(cell)
+        placed.append((n, cell))
+
+    for n, cell in enumerate(ref_cells):
+        action, name, src = marker(cell)
+        if action == "hint":
             continue
-        lines = src.splitlines()
-        exported = any(EXPORT.match(line) for line in lines)
-        lines = [line for line in lines if not DIRECTIVE.match(line)]
-        lines = [line for line in lines if not (own_import and own_import.match(line))]
-        src, stubs = stub_cell("\n".join(lines).strip("\n"), f"{rel} cell {n}")
-        if not src.strip():
-            continue  # a cell that held only directives
-        cells.append(_code(src, ["module"] if exported else None))
-        if stubs:
-            all_stubs += stubs
-            calls = "\n".join(f"check.{check_name(s)}({s.split('.')[0]})" for s in stubs)
-            cells.append(_code(f"from minillm import check\n\n{calls}"))
+        if cell.get("cell_type") != "code":
+            out = {"cell_type": cell["cell_type"], "metadata": {}, "source": src.splitlines(keepends=True)}
+        else:
+            lines = src.splitlines()
+            exported = any(EXPORT.match(line) for line in lines)
+            if exported and action:
+                raise ExerciseError(f"{rel} cell {n}: '{action}' on an exported cell (the module needs it)")
+            lines = [line for line in lines if not DIRECTIVE.match(line)]
+            lines = [line for line in lines if not (own_import and own_import.match(line))]
+            src, stubs = stub_cell("\n".join(lines).strip("\n"), f"{rel} cell {n}")
+            if not src.strip():
+                continue  # a cell that held only directives
+            ref_code.append((n, src))
+            if action == "drop":
+                continue
+            out = _code(src, ["module"] if exported else None)
+            if action in ("collapse", "after check, collapsed"):
+                out["metadata"]["jupyter"] = {"source_hidden": True}
+            if stubs:
+                emit(n, out)
+                all_stubs += stubs
+                for s in stubs:
+                    if s not in hints:
+                        raise ExerciseError(f"{rel} cell {n}: stub {s} has no hint cell "
+                                            f"(a markdown cell starting '<!-- exercise: hint {s} -->')")
+                    cells.append(_markdown(hints[s]))
+                calls = "\n".join(f"check.{check_name(s)}({s.split('.')[0]})" for s in stubs)
+                cells.append(_code(f"from minillm import check\n\n{calls}"))
+                checked.update(stubs)
+                for s in stubs:
+                    for item in pending.pop(s, []):
+                        emit(*item)
+                continue
+        if action == "drop":
+            continue
+        if action.startswith("after check") and name not in checked:
+            pending.setdefault(name, []).append((n, out))
+            continue
+        emit(n, out)
     if not all_stubs:
         return None
+    for name, waiting in pending.items():
+        raise ExerciseError(f"{rel} cell {waiting[0][0]}: 'after check {name}', but {name} is not a stub above")
+    for name in hints:
+        if name not in all_stubs:
+            raise ExerciseError(f"{rel}: a hint for {name}, which is not a stub")
+    problems = _flow_problems(ref_code, [(n, "".join(c["source"])) for n, c in placed if c["cell_type"] == "code"], rel)
+    if problems:
+        raise ExerciseError("\n".join(problems))
     listing = "\n".join(f"- `{s}`" for s in all_stubs)
     intro = _markdown(
         f"**Exercise notebook.** Generated from `{rel}` by `tools/make_exercises.py`; don't edit it by hand "
         f"(teachers: edit the reference notebook and regenerate).\n\n"
         f"Implement, in order:\n{listing}\n\n"
-        "Each one raises `NotImplementedError` until you replace that line with your code. Read the prose and "
-        "hints above each function, then run the check cell below it: it prints PASS, or FAIL with the first "
-        "wrong element and the likely cause. The cells after a function use it, so they work once it passes. "
+        "Each one raises `NotImplementedError` until you replace that line with your code. Read the prose "
+        "above each function; if you are stuck, open the **Hint** below it (it says where to look, not "
+        "what to write). Then run the check cell below that: it prints PASS, or FAIL with the first wrong "
+        "element and the likely cause. The cells after a function use it, so they work once it passes. A few "
+        "cells that would give an answer away are collapsed (click to open) and come after the check where the "
+        "lesson allows. "
         f"To check them all at once: `python -m minillm.check exercises/{notebook.name}`."
     )
     first_md = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"), -1)
