@@ -19,14 +19,17 @@ table, one row per student, with a `passed` and a `total` column per exercise (n
 a spreadsheet does not read 3/3 as a date). An exercise is named by the reference notebook it was
 generated from (09_sampling), else by the file's stem. It runs students' code: use a sandbox.
 
-The checks live in minillm/check_model.py (notebooks 01-05), minillm/check_loading.py (06, 07, 10)
-and minillm/check_serving.py (08-13),
+The checks live in minillm/check_model.py (notebooks 01-05), minillm/check_loading.py (06, 07, 10),
+minillm/check_serving.py (08-13) and minillm/check_engine.py (12, 14); the exploration tasks' checks
+(check.explore_<name>, not in CHECKS: they take a measured number, run in the notebook) in
+minillm/check_explore.py (EXPLORE) and, for 12 and 14, check_engine.py,
 on the harness of minillm/check_harness.py; this module names them (CHECKS) and runs them.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import csv
 import io
@@ -37,6 +40,20 @@ import types
 from pathlib import Path
 from typing import Callable
 
+from minillm.check_engine import (admit, explore_speedup_16, explore_text_share, make_room, output_events,
+                                  preempt_seq)
+from minillm.check_explore import (
+    EXPLORE,
+    explore_broken_tokens,
+    explore_gqa_saved_bytes_per_token,
+    explore_int4_bits_per_weight,
+    explore_kv_crossover_tokens,
+    explore_mlp_share_of_model,
+    explore_sequences_that_fit,
+    explore_slow_pairs_theta_10k,
+    explore_tail,
+    explore_transpose_copy_bytes,
+)
 from minillm.check_harness import CheckFailed
 from minillm.check_loading import bpe, stop_strings_push, stream, stream_decoder_push, unpermute_qk
 from minillm.check_model import (
@@ -73,6 +90,10 @@ __all__ = [
     "rms_norm", "mlp_forward", "attention_forward", "decoder_layer_forward",
     "kv_cache_update", "gather_reference", "batch_layout", "top_k_filter", "top_p_filter", "min_p_filter", "quantize_int4", "dequantize_q4_1",
     "unpermute_qk", "bpe", "stream_decoder_push", "stop_strings_push", "stream",
+    "explore_transpose_copy_bytes", "explore_gqa_saved_bytes_per_token", "explore_kv_crossover_tokens",
+    "explore_tail", "explore_broken_tokens", "explore_int4_bits_per_weight", "explore_slow_pairs_theta_10k",
+    "explore_mlp_share_of_model", "explore_sequences_that_fit", "EXPLORE",
+    "admit", "preempt_seq", "make_room", "explore_speedup_16", "output_events", "explore_text_share",
     "CheckFailed", "CHECKS", "check_namespace", "check_path", "grade", "main",
 ]
 
@@ -91,6 +112,7 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "quantize_int4": quantize_int4, "dequantize_q4_1": dequantize_q4_1,
     "unpermute_qk": unpermute_qk, "bpe": bpe, "StreamDecoder.push": stream_decoder_push,
     "StopStrings.push": stop_strings_push, "stream": stream,
+    "admit": admit, "preempt_seq": preempt_seq, "make_room": make_room, "output_events": output_events,
 }
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
@@ -130,6 +152,23 @@ def _notebook_code(path: Path) -> tuple[str, list[str] | None]:
     return "\n".join([*dict.fromkeys(future), *(line for line in lines if line not in future)]), stubs
 
 
+def _keep_definitions(code: str) -> str:
+    """code with a line after each top-level def and class that keeps the object in __minillm_own__.
+
+    A later cell may rebind the name (notebook 10's `from minillm.generate import stream` replaces
+    its own `stream`): the checks take the code's own definition, not the package's copy.
+    """
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return code  # exec reports it
+    lines = code.splitlines()
+    for node in reversed(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            lines.insert(node.end_lineno, f"__minillm_own__[{node.name!r}] = {node.name}")
+    return "\n".join(lines)
+
+
 def check_path(path: str | Path) -> tuple[int, int]:
     """Load a student's notebook (.ipynb) or module (.py) and run every check it has code for."""
     path = Path(path)
@@ -140,15 +179,16 @@ def check_path(path: str | Path) -> tuple[int, int]:
     name = "minillm_student_" + re.sub(r"\W", "_", path.stem)
     module = types.ModuleType(name)
     module.__file__ = str(path)
+    module.__minillm_own__ = {}
     sys.modules[name] = module  # dataclasses look their module up
     try:
-        exec(compile(code, str(path), "exec"), module.__dict__)
+        exec(compile(_keep_definitions(code), str(path), "exec"), module.__dict__)
     except Exception as exc:
         print(f"FAIL {path}: its code does not run: {type(exc).__name__}: {exc}")
         return 0, len(stubs or []) or 1
     finally:
         sys.modules.pop(name, None)
-    return check_namespace(module.__dict__, stubs)
+    return check_namespace({**module.__dict__, **module.__minillm_own__}, stubs)
 
 
 # ------------------------------------------------------------------ grading a folder of submissions

@@ -78,6 +78,21 @@ class Reply:
         return sse({**self.head, "object": self.chunk_object, "choices": choices, **extra})
 
 
+def output_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[str]:
+    """The SSE events one engine Output sends: a chunk with its text (and logprobs), then, on the
+    request's last output, the finishing chunk."""
+    events = []
+    lp = [token_logprobs(tokenizer, out)] if logprobs and out.token_id is not None else None
+    if out.text or lp:
+        events.append(reply.chunk([reply.choice(out.text, None, lp, delta=True)]))
+    if out.finished:
+        last = reply.choice("", out.finish_reason, None, delta=True)
+        if reply.chat:
+            last["delta"] = {}
+        events.append(reply.chunk([last]))
+    return events
+
+
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
 
 

@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.api import LLM
 from minillm.engine import Engine, Output
-from minillm.openai_protocol import APIError, Reply, parse_request, read_json, read_prompt, sse, token_logprobs
+from minillm.openai_protocol import (APIError, Reply, output_events, parse_request, read_json, read_prompt, sse,
+                                      token_logprobs)
 from minillm.sampling import SamplingParams
 
 
@@ -189,14 +190,8 @@ async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dic
         while out is None or not out.finished:
             out = await _next_output(queue)
             n += out.token_id is not None
-            lp = [token_logprobs(tokenizer, out)] if req["logprobs"] and out.token_id is not None else None
-            if out.text or lp:
-                yield reply.chunk([reply.choice(out.text, None, lp, delta=True)])
-            if out.finished:
-                last = reply.choice("", out.finish_reason, None, delta=True)
-                if reply.chat:
-                    last["delta"] = {}
-                yield reply.chunk([last])
+            for event in output_events(out, reply, tokenizer, req["logprobs"]):
+                yield event
         if req["include_usage"]:
             yield reply.chunk([], usage=reply.usage(n))
         yield sse("[DONE]")

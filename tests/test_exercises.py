@@ -82,6 +82,7 @@ def _calls(ns: dict) -> dict:
         "quantize_int4": lambda f: f(torch.randn(2, 32), 32),
         "dequantize_q4_1": lambda f: f(torch.zeros(20, dtype=torch.uint8), (1, 32)),
         **_loading_calls(),
+        **_engine_calls(),
     }
 
 
@@ -299,6 +300,174 @@ def test_bpe_reference_matches_tiktoken():
         assert [ranks[p] for p in check_loading._bpe(text.encode(), ranks)] == enc.encode_ordinary(text), text
 
 
+# ---------------------------------------------------------------- notebooks 12, 14: the scheduler, the server's events
+# (minillm/check_engine.py: the stubs' calls, the references and the planted mistakes, used by the tests above and below)
+
+from collections import deque  # noqa: E402
+
+from minillm import check_engine, engine, openai_protocol, server  # noqa: E402
+
+
+def test_engine_exercises_exist():
+    names = {p.name for p in EXERCISES}
+    for name in ["12_engine", "14_server"]:
+        assert f"{name}.ipynb" in names
+
+
+def _engine_calls() -> dict:
+    def scheduler_state():
+        manager = paged_cache.BlockManager(4, 4, enable_prefix_caching=False)
+        seq = engine.Sequence(0, [1, 2, 3], sampling.SamplingParams(temperature=0), text=None)
+        return manager, deque([seq]), [], seq
+
+    def admit_call(f):
+        manager, waiting, running, _ = scheduler_state()
+        return f(manager, waiting, running, 2, 64)
+
+    def running_state():
+        manager, waiting, running, seq = scheduler_state()
+        engine.admit(manager, waiting, running, 2, 64)
+        seq.pending = 9
+        return manager, running, waiting, seq
+
+    reply = openai_protocol.Reply(True, "m", 3)
+    return {
+        "admit": admit_call,
+        "preempt_seq": lambda f: f(*running_state()),
+        "make_room": lambda f: f(*running_state()[:3]),
+        "output_events": lambda f: f(engine.Output(0, 42, "a"), reply, check_engine._Tokens(), False),
+    }
+
+
+ENGINE_REFERENCE = {"admit": engine.admit, "preempt_seq": engine.preempt_seq, "make_room": engine.make_room,
+                    "output_events": openai_protocol.output_events}
+
+
+def admit_skipping_the_oldest(manager, waiting, running, max_num_seqs, max_model_len):
+    admitted, rejected = [], []
+    for seq in list(waiting):  # every request that fits, in order: a small one passes a large one
+        if len(running) >= max_num_seqs:
+            break
+        if manager.blocks_needed(len(seq.token_ids) + 1) > manager.num_blocks or len(seq.token_ids) >= max_model_len:
+            waiting.remove(seq)
+            rejected.append(seq)
+        elif manager.can_allocate(seq.token_ids) and not manager.prefix_hits(seq.token_ids):
+            waiting.remove(seq)
+            seq.num_cached = manager.allocate(seq.id, seq.token_ids)
+            seq.status = engine.RUNNING
+            running.append(seq)
+            admitted.append(seq)
+    return admitted, rejected
+
+
+def admit_without_max_num_seqs(manager, waiting, running, max_num_seqs, max_model_len):
+    return engine.admit(manager, waiting, running, 10**9, max_model_len)
+
+
+def preempt_dropping_pending(manager, running, waiting, seq):
+    seq.pending = None  # the streamed token is lost: it will be sampled again
+    engine.preempt_seq(manager, running, waiting, seq)
+
+
+def make_room_preempting_the_oldest(manager, running, waiting):
+    decoding, preempted = [], 0
+    for seq in list(running):
+        if seq.status != engine.RUNNING:
+            continue
+        while not manager.can_append(seq.id):
+            victim = running[0]
+            engine.preempt_seq(manager, running, waiting, victim)
+            preempted += 1
+            if victim is seq:
+                break
+        if seq.status == engine.RUNNING:
+            manager.append(seq.id, seq.pending)
+            decoding.append(seq)
+    return decoding, preempted
+
+
+def events_without_finish(out, reply, tokenizer, logprobs):
+    return [e for e in openai_protocol.output_events(out, reply, tokenizer, logprobs) if '"finish_reason": null' in e]
+
+
+def events_with_content_in_last_delta(out, reply, tokenizer, logprobs):
+    return [e.replace('"delta": {}', '"delta": {"content": ""}') for e in
+            openai_protocol.output_events(out, reply, tokenizer, logprobs)]
+
+
+def events_for_every_output(out, reply, tokenizer, logprobs):
+    events = openai_protocol.output_events(out, reply, tokenizer, logprobs)
+    if not (out.text or (logprobs and out.token_id is not None)):
+        events.insert(0, reply.chunk([reply.choice(out.text, None, None, delta=True)]))
+    return events
+
+
+def events_without_blank_line(out, reply, tokenizer, logprobs):
+    return [e.rstrip("\n") + "\n" for e in openai_protocol.output_events(out, reply, tokenizer, logprobs)]
+
+
+ENGINE_PLANTED = [
+    ("admit", admit_skipping_the_oldest, "oldest first"),
+    ("admit", admit_without_max_num_seqs, "at most max_num_seqs"),
+    ("preempt_seq", preempt_dropping_pending, "keep the pending token"),
+    ("make_room", make_room_preempting_the_oldest, "preempt the NEWEST running sequence"),
+    ("output_events", events_without_finish, "followed by a finishing chunk"),
+    ("output_events", events_with_content_in_last_delta, "the finishing chunk's delta is empty"),
+    ("output_events", events_for_every_output, "an output without text sends no chunk"),
+    ("output_events", events_without_blank_line, "the blank line that ends the event"),
+]
+
+
+def test_the_traces_preempt_reject_and_wait():
+    """The scripted traces exercise every rule: a rejection, preemptions, and a prompt waiting for a
+    prefix being computed (the planted mistakes below show that each rule changes a trace)."""
+    logs = [check_engine._replay(check_engine._admit_ref, check_engine._make_room_ref, s) for s in check_engine._SCENARIOS]
+    steps = [step for log in logs for step in log]
+    assert any(step["rejected"] != "-" for step in steps)
+    assert sum(step["preempted"] != "-" for step in steps) >= 3
+    assert logs[-1][0]["admitted"] == "A" and logs[-1][1]["admitted"] == "B"  # the fresh rule
+
+
+def _reference_stream() -> str:
+    """Every reference event of the check's outputs, chat and text, with and without logprobs."""
+    events = []
+    for chat in (True, False):
+        for logprobs in (False, True):
+            reply = check_engine._reply(chat)
+            for _, out in check_engine._OUTPUTS:
+                events += openai_protocol.output_events(out, reply, check_engine._Tokens(), logprobs)
+    return "".join(events) + openai_protocol.sse("[DONE]")
+
+
+def test_sse_parser_agrees_with_the_openai_client():
+    """The checker's SSE parser reads the reference events as the official client does, even when the
+    bytes arrive cut at arbitrary places."""
+    from openai._streaming import SSEDecoder
+
+    stream = _reference_stream()
+    ours = check_engine.parse_sse(stream)
+    data = stream.encode()
+    pieces = [data[i:i + 37] for i in range(0, len(data), 37)]
+    theirs = [event.data for event in SSEDecoder().iter_bytes(iter(pieces))]
+    assert len(ours) > 10 and ours == theirs
+    assert ours[-1] == "[DONE]"
+    assert check_engine.parse_sse(": comment\nevent: x\ndata: a\ndata:b\n\n") == ["a\nb"]
+    assert [e.data for e in SSEDecoder().iter_bytes(iter([b": comment\nevent: x\ndata: a\ndata:b\n\n"]))] == ["a\nb"]
+
+
+def test_stream_answer_uses_output_events():
+    """The server streams what output_events returns (the exercise's function is the server's)."""
+    assert "output_events(out, reply, tokenizer, req[\"logprobs\"])" in inspect.getsource(server.stream_answer)
+
+
+def test_explorations_accept_plausible_numbers(capsys):
+    assert check_engine.explore_speedup_16(5.0) and check_engine.explore_text_share(0.03)
+    assert not check_engine.explore_speedup_16(0.2)
+    assert "not the reverse" in capsys.readouterr().out
+    assert not check_engine.explore_text_share(30.0)
+    assert "not the reverse" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- the reference passes
 
 REFERENCE = {
@@ -312,6 +481,7 @@ REFERENCE = {
     "top_p_filter": sampling.top_p_filter, "min_p_filter": sampling.min_p_filter,
     "quantize_int4": quant.quantize_int4, "dequantize_q4_1": quant.dequantize_q4_1,
     **LOADING_REFERENCE,
+    **ENGINE_REFERENCE,
 }
 
 
@@ -497,6 +667,7 @@ PLANTED = [
     ("quantize_int4", int4_sixteen_steps, "divide by 15, not 16"),
     ("dequantize_q4_1", q4_1_adjacent_nibbles, "not q_{2j} and q_{2j+1}"),
     *LOADING_PLANTED,
+    *ENGINE_PLANTED,
 ]
 
 
@@ -794,3 +965,165 @@ def test_grade_runs_as_a_module(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["student", "08_kv_cache", "total", "dan", "0/1", "0/1"]
+
+
+# ---------------------------------------------------------------- exploration tasks (minillm/check_explore.py)
+# A question answered by a measurement and a sentence: a top-level solution region in the reference,
+# a stub in the exercise, a check that computes the reference number itself and names known slips.
+
+from minillm import check_explore  # noqa: E402
+
+EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of the feedback it gets)
+    "transpose_copy_bytes": ((0, 2359296), (0, 589824), "numel() x element_size()"),
+    "gqa_saved_bytes_per_token": (46080, 36864, "SmolLM2's from its config"),
+    "kv_crossover_tokens": (80409, 160818, "a key AND a value"),
+    "tail": (check_explore.tail(), (49152 - check_explore.tail()[0], 0.0425), "above the threshold"),
+    "int4_bits_per_weight": (5.0, 4.0, "scales and zeros too"),
+    "broken_tokens": (313, 49152 - 313, "DO decode alone"),
+    "slow_pairs_theta_10k": (7, 12, "SmolLM2's own rope_theta"),
+    "mlp_share_of_model": (check_explore.mlp_share_of_model(), 0.7498, "the whole model"),
+    "sequences_that_fit": ((11, 306), (11, 310), "whole blocks"),
+}
+
+
+def test_every_exploration_has_a_reference():
+    assert set(EXPLORE_REFERENCE) == set(check_explore.EXPLORE)
+    for name in check_explore.EXPLORE:
+        assert getattr(check, f"explore_{name}") is check_explore.EXPLORE[name]
+        assert f"explore_{name}" in check.__all__
+
+
+def test_exploration_references_are_the_numbers_the_notebooks_print():
+    assert check_explore.transpose_copy_bytes() == (0, 1024 * 9 * 64 * 4)
+    assert check_explore.gqa_saved_bytes_per_token() == 2 * 30 * 64 * 2 * (9 - 3)
+    assert check_explore.kv_crossover_tokens() == 80409  # 494,032,768 bf16 parameters / 12 KiB per token
+    assert check_explore.int4_bits_per_weight() == 5.0
+    assert check_explore.broken_tokens() == 313  # of SmolLM2's 49,152: fragments of multi-byte characters
+    assert check_explore.slow_pairs() == 7 and check_explore.slow_pairs(100_000.0) == 12  # notebook 03's first_slow = 20
+    assert abs(check_explore.mlp_share_of_model() - 30 * 3 * 576 * 1536 / 134_515_008) < 1e-9
+    assert check_explore.sequences_that_fit() == (2**31 // (8192 * 23040), 2**31 // (19 * 16 * 23040))
+    count, mass = check_explore.tail()
+    assert abs(count - 48816) <= 250 and abs(mass - 0.0425) <= 0.002
+
+
+@pytest.mark.parametrize("name", list(EXPLORE_REFERENCE))
+def test_exploration_check_passes_the_reference_and_fails_a_slip(name, capsys):
+    good, wrong, hint = EXPLORE_REFERENCE[name]
+    explore = check_explore.EXPLORE[name]
+    assert explore(good) is True
+    out = capsys.readouterr().out
+    assert out.startswith(f"PASS explore_{name}") and "one sentence" in out
+    assert explore(wrong) is False
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL explore_{name}") and hint in out, out
+    assert str(good) not in out.replace(str(wrong), "")  # the feedback never gives the answer away
+    assert explore(None) is False  # the stub's value, or no answer at all
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_exploration_tolerances_are_stated_and_kept(capsys):
+    assert check.explore_kv_crossover_tokens(80409 * 1.009) is True  # within 1%
+    assert check.explore_kv_crossover_tokens(80409 * 1.02) is False
+    assert check.explore_int4_bits_per_weight(5.009) is True and check.explore_int4_bits_per_weight(5.02) is False
+    assert check.explore_gqa_saved_bytes_per_token(46081) is False  # bytes: exact
+    assert check.explore_gqa_saved_bytes_per_token(torch.tensor(46080)) is True  # a 0-d tensor is a number
+    assert check.explore_tail([48816, 0.0425]) is True and check.explore_tail((48816, 0.05)) is False
+    capsys.readouterr()
+
+
+EXPLORED = [p for p in EXERCISES if json.loads(p.read_text(encoding="utf-8"))["metadata"]["minillm"].get("explore")]
+
+
+def test_exploration_notebooks():
+    assert {p.stem for p in EXPLORED} >= {"01_tensors", "02_attention", "03_rope", "04_norm_mlp", "08_kv_cache",
+                                          "09_sampling", "10_generate", "11_paged_cache", "13_quantization"}
+
+
+@pytest.mark.parametrize("path", EXPLORED, ids=lambda p: p.stem)
+def test_exploration_is_stubbed_in_the_exercise_and_passes_in_the_reference(path):
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    cells = [("".join(c["source"]), c) for c in nb["cells"]]
+    reference = json.loads((ROOT / nb["metadata"]["minillm"]["exercise_of"]).read_text(encoding="utf-8"))
+    ref_out = {"".join(c["source"]): "".join("".join(o.get("text", "")) for o in c.get("outputs", []))
+               for c in reference["cells"] if c["cell_type"] == "code"}
+    assert "SOLUTION" not in path.read_text(encoding="utf-8")  # code and markdown regions both replaced
+    for name in nb["metadata"]["minillm"]["explore"]:
+        assert callable(getattr(check, f"explore_{name}", None)), f"{path.name}: no check.explore_{name}"
+        stub = next(i for i, (s, _) in enumerate(cells) if f"exercise: compute {name}; {make_exercises.SEE_HINT}" in s)
+        with pytest.raises(NotImplementedError, match=f"exercise: compute {name}"):  # the student's cell, as given
+            exec(compile(cells[stub][0], f"{path.name}:{name}", "exec"), {"__name__": "__main__"})
+        if name not in check_explore.EXPLORE:
+            continue  # another module's exploration (a measurement on this machine): its own tests
+        hint, call, answer = cells[stub + 1], cells[stub + 2], cells[stub + 3]
+        assert hint[1]["cell_type"] == "markdown" and hint[0].startswith("<details><summary>Hint</summary>")
+        assert f"check.explore_{name}({name})" in call[0] and not call[0].startswith("from minillm import check")
+        assert answer[1]["cell_type"] == "markdown" and make_exercises.YOUR_ANSWER in answer[0]
+        assert f"PASS explore_{name}" in ref_out[call[0]], f"{path.name}: the reference's check of {name} did not pass"
+
+
+def test_make_exercises_explorations(tmp_path):
+    """A top-level solution region becomes a stub named by its answer, with its hint; markdown answers go too."""
+    (tmp_path / "notebooks").mkdir()
+
+    def md(*lines):
+        return {"cell_type": "markdown", "metadata": {}, "source": "\n".join(lines)}
+
+    def code(*lines):
+        return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": "\n".join(lines)}
+
+    lesson = [
+        code("#| default_exp double"),
+        code("#| export", "def rms_norm(x):", "    ### BEGIN SOLUTION", "    return 2 * x", "    ### END SOLUTION"),
+        md("<!-- exercise: hint rms_norm -->", "Twice x."),
+        md("### Explore: how big?"),
+        code("import math", "### BEGIN SOLUTION", "size = rms_norm(21)", "answer = size", "### END SOLUTION", "print(answer)"),
+        md("<!-- exercise: hint answer -->", "Call it."),
+        code("# checked", "check.explore_answer(answer)"),
+        md("**Your explanation:**", "", "<!-- BEGIN SOLUTION -->", "Because 42.", "<!-- END SOLUTION -->"),
+    ]
+
+    def build(cells):
+        path = tmp_path / "notebooks" / "01_double.ipynb"
+        path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+        return make_exercises.exercise_notebook(path, tmp_path)
+
+    nb = build(lesson)
+    sources = ["".join(c["source"]) for c in nb["cells"]]
+    assert nb["metadata"]["minillm"]["stubs"] == ["rms_norm"] and nb["metadata"]["minillm"]["explore"] == ["answer"]
+    i = sources.index(f'import math\nraise NotImplementedError("exercise: compute answer; {make_exercises.SEE_HINT}")'
+                      "\nprint(answer)")
+    assert sources[i + 1] == "<details><summary>Hint</summary>\n\nCall it.\n\n</details>"
+    assert sources[i + 2] == "# checked\ncheck.explore_answer(answer)"  # the reference's own check cell, no generated one
+    assert sources[i + 3] == f"**Your explanation:**\n\n{make_exercises.YOUR_ANSWER}"
+    assert any(s.startswith("**Exercise notebook.**") and "Explore" in s and "`answer`" in s for s in sources)
+    assert not any("42" in s or "SOLUTION" in s for s in sources)
+    for cells, message in [
+        ([c for c in lesson if "hint answer" not in "".join(c["source"])], "exploration answer has no hint"),
+        (lesson[:4] + [code("### BEGIN SOLUTION", "print(1)", "### END SOLUTION")] + lesson[5:], "assigns no name"),
+        (lesson[:7] + [md("<!-- BEGIN SOLUTION -->", "x")], "no matching END"),
+        (lesson[:4] + [code("#| export", "### BEGIN SOLUTION", "answer = 1", "### END SOLUTION")] + lesson[5:],
+         "outside a function"),  # an exported cell is a lesson's module: no explorations there
+    ]:
+        with pytest.raises(make_exercises.ExerciseError, match=message):
+            build(cells)
+
+
+# ---------------------------------------------------------------- check_path: a definition that a later import rebinds
+
+
+def test_check_path_checks_the_notebooks_own_definition_when_an_import_rebinds_it(capsys):
+    """notebooks/10_generate.ipynb's `api` cell imports the package's stream over the notebook's own."""
+    assert check.check_path(ROOT / "notebooks" / "10_generate.ipynb") == (2, 2)
+    out = capsys.readouterr().out
+    assert "PASS stream" in out and "PASS StopStrings.push" in out
+    assert check.check_path(ROOT / "exercises" / "10_generate.ipynb") == (0, 2)
+    assert "FAIL stream: not implemented yet" in capsys.readouterr().out
+
+
+def test_check_path_a_module_whose_function_is_rebound_by_an_import(tmp_path, capsys):
+    student = tmp_path / "student.py"
+    student.write_text("import torch\n\ndef causal_mask(T, S, start=0, device=None):\n"
+                       "    return torch.ones(T, S, dtype=torch.bool).tril()\n\n"  # ignores start: wrong
+                       "from minillm.attention import causal_mask\n")  # the package's, correct, over it
+    assert check.check_path(student) == (0, 1)
+    assert "offset by the cache position" in capsys.readouterr().out

@@ -19,6 +19,23 @@ Every notebook with such markers gets an exercise version in which:
 - outputs and execution counts are cleared (exercise notebooks are not executed in CI);
 - the notebook metadata records the stubs: metadata["minillm"]["stubs"].
 
+Exploration tasks: a question answered by a measurement and a sentence. In a cell that is not
+exported, a solution region at the top level (indentation 0, outside any function) is the
+measurement; it is named by the last name it assigns at its top level, its answer (`crossover`):
+
+    ### BEGIN SOLUTION
+    per_token = 2 * config.num_hidden_layers * ...
+    crossover = math.ceil(weights / per_token)
+    ### END SOLUTION
+
+It becomes `raise NotImplementedError("exercise: compute crossover; see the Hint below")`; it needs
+a `hint crossover` cell like a stub (placed after it), but no check cell is added: the reference
+notebook writes its own, `check.explore_crossover(crossover)` (minillm/check_explore.py), which
+computes the reference number itself. Explorations are recorded in metadata["minillm"]["explore"],
+not in "stubs" (`python -m minillm.check` runs only the exported cells; the sentence is for a
+teacher to read). In a markdown cell, the lines between `<!-- BEGIN SOLUTION -->` and
+`<!-- END SOLUTION -->` (the reference's answer sentence) become `*(your answer here)*`.
+
 Marker lines: a reference cell whose FIRST line is an exercise marker is handled specially (the
 marker line itself never reaches the exercise). In a code cell the marker is a comment, in a
 markdown cell an HTML comment (invisible when the reference notebook is rendered):
@@ -120,8 +137,52 @@ def _enclosing(lines: list[str], i: int, where: str) -> str:
     raise ExerciseError(f"{where}: '### BEGIN SOLUTION' outside a function")
 
 
-def stub_cell(source: str, where: str) -> tuple[str, list[str]]:
-    """Replace each solution region with a NotImplementedError; return (new source, stub names)."""
+_MD_BEGIN = re.compile(r"^\s*<!--\s*BEGIN SOLUTION\s*-->\s*$")
+_MD_END = re.compile(r"^\s*<!--\s*END SOLUTION\s*-->\s*$")
+YOUR_ANSWER = "*(your answer here)*"
+
+
+def _answer_name(region: list[str], where: str) -> str:
+    """The last name a top-level solution region (an exploration) assigns at its top level."""
+    try:
+        tree = ast.parse("\n".join(region))
+    except SyntaxError as exc:
+        raise ExerciseError(f"{where}: a top-level solution region does not parse: {exc}") from None
+    names = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    if not names:
+        raise ExerciseError(f"{where}: a top-level solution region assigns no name (its answer)")
+    return names[-1]
+
+
+def answer_markdown(source: str, where: str) -> str:
+    """A markdown cell with its `<!-- BEGIN SOLUTION -->` ... `<!-- END SOLUTION -->` lines replaced."""
+    if "SOLUTION" not in source:
+        return source
+    out: list[str] = []
+    inside = False
+    for line in source.splitlines():
+        if _MD_BEGIN.match(line):
+            if inside:
+                raise ExerciseError(f"{where}: '<!-- BEGIN SOLUTION -->' inside another")
+            inside = True
+            out.append(YOUR_ANSWER)
+        elif _MD_END.match(line):
+            if not inside:
+                raise ExerciseError(f"{where}: '<!-- END SOLUTION -->' without a BEGIN")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ExerciseError(f"{where}: '<!-- BEGIN SOLUTION -->' has no matching END")
+    return "\n".join(out)
+
+
+def stub_cell(source: str, where: str, explore: list[str] | None = None) -> tuple[str, list[str]]:
+    """Replace each solution region with a NotImplementedError; return (new source, stub names).
+
+    explore: where to append the answer names of top-level regions (explorations); without it they are errors.
+    """
     lines = source.splitlines()
     out: list[str] = []
     stubs: list[str] = []
@@ -134,12 +195,18 @@ def stub_cell(source: str, where: str) -> tuple[str, list[str]]:
             out.append(lines[i])
             i += 1
             continue
-        name = _enclosing(lines, i, where)
+        top = explore is not None and not m.group(1)  # indentation 0: outside any function
+        name = "" if top else _enclosing(lines, i, where)
         end = next((j for j in range(i + 1, len(lines)) if _END.match(lines[j]) or _BEGIN.match(lines[j])), None)
         if end is None or _BEGIN.match(lines[end]):
-            raise ExerciseError(f"{where}: '### BEGIN SOLUTION' in {name} has no matching END")
-        out.append(f'{m.group(1)}raise NotImplementedError("exercise: implement {name}; {SEE_HINT}")')
-        stubs.append(name)
+            raise ExerciseError(f"{where}: '### BEGIN SOLUTION' in {name or 'a top-level region'} has no matching END")
+        if top:
+            name = _answer_name(lines[i + 1:end], where)
+            out.append(f'raise NotImplementedError("exercise: compute {name}; {SEE_HINT}")')
+            explore.append(name)
+        else:
+            out.append(f'{m.group(1)}raise NotImplementedError("exercise: implement {name}; {SEE_HINT}")')
+            stubs.append(name)
         i = end + 1
     return "\n".join(out), stubs
 
@@ -275,6 +342,7 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
             hints[name] = _hint(src)
     cells: list[dict] = []
     all_stubs: list[str] = []
+    all_explore: list[str] = []
     checked: set[str] = set()
     pending: dict[str, list[tuple[int, dict]]] = {}  # stub -> cells waiting for its check
     ref_code: list[tuple[int, str]] = []  # (reference index, code) in reference order, for the flow check
@@ -289,6 +357,8 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
         if action == "hint":
             continue
         if cell.get("cell_type") != "code":
+            if cell.get("cell_type") == "markdown":
+                src = answer_markdown(src, f"{rel} cell {n}")
             out = {"cell_type": cell["cell_type"], "metadata": {}, "source": src.splitlines(keepends=True)}
         else:
             lines = src.splitlines()
@@ -297,7 +367,8 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
                 raise ExerciseError(f"{rel} cell {n}: '{action}' on an exported cell (the module needs it)")
             lines = [line for line in lines if not DIRECTIVE.match(line)]
             lines = [line for line in lines if not (own_import and own_import.match(line))]
-            src, stubs = stub_cell("\n".join(lines).strip("\n"), f"{rel} cell {n}")
+            explored: list[str] = []
+            src, stubs = stub_cell("\n".join(lines).strip("\n"), f"{rel} cell {n}", None if exported else explored)
             if not src.strip():
                 continue  # a cell that held only directives
             ref_code.append((n, src))
@@ -306,6 +377,17 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
             out = _code(src, ["module"] if exported else None)
             if action in ("collapse", "after check, collapsed"):
                 out["metadata"]["jupyter"] = {"source_hidden": True}
+            if explored:
+                if stubs or action:
+                    raise ExerciseError(f"{rel} cell {n}: an exploration's cell holds no stub and no marker")
+                emit(n, out)
+                for s in explored:
+                    if s not in hints:
+                        raise ExerciseError(f"{rel} cell {n}: exploration {s} has no hint cell "
+                                            f"(a markdown cell starting '<!-- exercise: hint {s} -->')")
+                    cells.append(_markdown(hints[s]))
+                all_explore += explored
+                continue
             if stubs:
                 emit(n, out)
                 all_stubs += stubs
@@ -332,7 +414,7 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
     for name, waiting in pending.items():
         raise ExerciseError(f"{rel} cell {waiting[0][0]}: 'after check {name}', but {name} is not a stub above")
     for name in hints:
-        if name not in all_stubs:
+        if name not in all_stubs and name not in all_explore:
             raise ExerciseError(f"{rel}: a hint for {name}, which is not a stub")
     problems = _flow_problems(ref_code, [(n, "".join(c["source"])) for n, c in placed if c["cell_type"] == "code"], rel)
     if problems:
@@ -342,7 +424,9 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
         f"**Exercise notebook.** Generated from `{rel}` by `tools/make_exercises.py`; don't edit it by hand "
         f"(teachers: edit the reference notebook and regenerate).\n\n"
         f"Implement, in order:\n{listing}\n\n"
-        "Each one raises `NotImplementedError` until you replace that line with your code. Read the prose "
+        + (f"Explore (measure, then explain in a sentence below the check): "
+           f"{', '.join(f'`{e}`' for e in all_explore)}.\n\n" if all_explore else "")
+        + "Each one raises `NotImplementedError` until you replace that line with your code. Read the prose "
         "above each function; if you are stuck, open the **Hint** below it (it says where to look, not "
         "what to write). Then run the check cell below that: it prints PASS, or FAIL with the first wrong "
         "element and the likely cause. The cells after a function use it, so they work once it passes. A few "
@@ -357,7 +441,7 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
     metadata = {  # not the reference's language_info: executing it there must not make these stale
         "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
-        "minillm": {"exercise_of": rel, "stubs": all_stubs},
+        "minillm": {"exercise_of": rel, "stubs": all_stubs, **({"explore": all_explore} if all_explore else {})},
     }
     return {"cells": cells, "metadata": metadata, "nbformat": 4, "nbformat_minor": 5}
 

@@ -1,0 +1,320 @@
+"""Checks of the exploration tasks (plumbing): a question answered by a measurement and a sentence.
+
+An exploration task sits in a reference notebook as a question (markdown), a code cell that
+computes the answer into a named variable (a top-level solution region, stubbed in the exercise:
+see tools/make_exercises.py), a hint, a check cell `check.explore_<name>(<name>)` and a markdown
+cell for the student's explanation. Each check here computes the reference number itself, with the
+package, and compares within a stated tolerance: only counts, bytes, sizes and ratios of them,
+never times, so the answer is the same on every machine. It prints PASS or FAIL (naming a known
+mistake, never the reference number), then reminds the student that the sentence is the other half
+of the answer: a teacher reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from minillm.api import load
+from minillm.check_harness import fail, run_check
+from minillm.embedded import embedded_gguf_path
+from minillm.kv_cache import kv_cache_bytes
+from minillm.model import CausalLM, ModelConfig
+from minillm.quant import Int4Linear
+from minillm.tokenizer import Tokenizer
+
+CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
+REMINDER = "  now write, in the cell below, one sentence that explains the number (your teacher reads it)"
+
+
+def _explore(name: str, body) -> bool:
+    ok = run_check(f"explore_{name}", body)
+    print(REMINDER)
+    return ok
+
+
+def _number(what: str, got) -> float:
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        fail(f"{what}: expected a number, got {type(got).__name__}")
+    return float(got)
+
+
+def _close(what: str, got, expected: float, rel: float = 0.0, abs_: float = 0.0,
+           mistakes: list[tuple[str, float]] = (), hint: str | None = None) -> None:
+    """Fail unless |got - expected| <= max(abs_, rel * |expected|); name a known mistake if got matches one."""
+    value = _number(what, got)
+    tol = max(abs_, rel * abs(expected))
+    if abs(value - expected) <= tol:
+        return
+    for h, wrong in mistakes:
+        if abs(value - wrong) <= max(tol, 1e-9 * abs(wrong)):
+            fail(f"{what}: {value:g} is not the reference answer", h)
+    fail(f"{what}: {value:g} is not the reference answer (within {'±' + format(tol, 'g')})", hint)
+
+
+def _pair(what: str, got) -> tuple:
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        fail(f"{what}: expected a pair (two numbers), got {type(got).__name__}")
+    return tuple(got)
+
+
+# ------------------------------------------------------------------ 01 tensors: views and copies
+
+
+def transpose_copy_bytes():
+    """Bytes that (.transpose(1, 2), then .contiguous()) copy for SmolLM2's queries of a 1024-token prompt.
+
+    q is (B, T, H, D) = (1, 1024, 9, 64) float32; the transpose is a view (0 bytes), contiguous() copies all.
+    """
+    q = torch.zeros(1, 1024, 9, 64)
+    t = q.transpose(1, 2)
+    c = t.contiguous()
+    def copied(new, old):
+        return 0 if new.untyped_storage().data_ptr() == old.untyped_storage().data_ptr() else new.untyped_storage().nbytes()
+    return copied(t, q), copied(c, t)
+
+
+def explore_transpose_copy_bytes(value) -> bool:
+    """(bytes .transpose(1, 2) copies, bytes .contiguous() after it copies) for q (1, 1024, 9, 64) float32; exact."""
+    def body():
+        view, copy = _pair("transpose_copy_bytes", value)
+        want_view, want_copy = transpose_copy_bytes()
+        _close("bytes copied by .transpose(1, 2)", view, want_view, mistakes=[
+            ("a transpose is a view: compare the data_ptr() of the two tensors' untyped_storage()", want_copy)],
+            hint="a view shares its storage: it copies nothing")
+        _close("bytes copied by .contiguous() after it", copy, want_copy, mistakes=[
+            ("count bytes, not elements: numel() x element_size()", want_copy / 4),
+            ("the transposed view is not contiguous, so contiguous() copies every element", 0)],
+            hint="the copy's own storage: untyped_storage().nbytes()")
+    return _explore("transpose_copy_bytes", body)
+
+
+# ------------------------------------------------------------------ 02 attention: what GQA saves
+
+
+def gqa_saved_bytes_per_token() -> int:
+    """Bytes of bf16 KV cache per token that SmolLM2's 3 kv heads save against 9 (full multi-head)."""
+    c = ModelConfig.from_json(CONFIGS / "SmolLM2-135M-Instruct.json")
+    per_head = 2 * c.num_hidden_layers * c.head_dim * 2  # k and v, every layer, bf16
+    return per_head * (c.num_attention_heads - c.num_key_value_heads)
+
+
+def explore_gqa_saved_bytes_per_token(value) -> bool:
+    """Bytes of bf16 KV cache per token SmolLM2 saves with GQA against full multi-head; exact."""
+    def body():
+        want = gqa_saved_bytes_per_token()
+        _close("gqa_saved_bytes_per_token", value, want, mistakes=[
+            ("the cache holds a key AND a value per head", want / 2),
+            ("bf16 is 2 bytes per number, not 4", want * 2),
+            ("every one of the 30 layers has its own cache", want / 30),
+            ("kv_bytes_per_token above uses Qwen2.5-0.5B's 24 layers: take SmolLM2's from its config", want * 24 / 30),
+            ("that is what full multi-head stores; the question asks what GQA saves (full minus GQA)", want * 1.5),
+        ], hint="per token: 2 (k, v) x layers x heads x head_dim x 2 bytes, for 9 heads minus for 3")
+    return _explore("gqa_saved_bytes_per_token", body)
+
+
+# ------------------------------------------------------------------ 03 rope: slow pairs and the base
+
+
+def slow_pairs(rope_theta: float = 10_000.0, head_dim: int = 64, context: int = 8192) -> int:
+    """How many of the head's D/2 pairs turn less than once in `context` tokens with base rope_theta."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # 2i/D
+    wavelength = 2 * math.pi * rope_theta ** exponents  # tokens per turn of pair i
+    return int((wavelength > context).sum())
+
+
+def explore_slow_pairs_theta_10k(value) -> bool:
+    """Pairs of SmolLM2's head (D = 64) slower than its 8192-token context if rope_theta were 10,000; exact."""
+    def body():
+        want = slow_pairs()
+        _close("slow_pairs_theta_10k", value, want, mistakes=[
+            ("that is with SmolLM2's own rope_theta, 100,000: the question changes the base to 10,000", slow_pairs(1e5)),
+            ("that counts the fast pairs (at least one turn), not the slow ones", 32 - want)],
+            hint="the speeds for another base: the same function as smol_inv_freq with 10_000; a pair is slow "
+                 "when its wavelength 2*pi/speed exceeds the context")
+    return _explore("slow_pairs_theta_10k", body)
+
+
+# ------------------------------------------------------------------ 04 norm and mlp: where the parameters are
+
+
+def mlp_share_of_model(config: str = "SmolLM2-135M-Instruct") -> float:
+    """The share of a model's parameters (a tied head counted once) in its MLPs."""
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.from_json(CONFIGS / f"{config}.json"))
+    mlp = sum(p.numel() for layer in model.model.layers for p in layer.mlp.parameters())
+    return mlp / sum(p.numel() for p in model.parameters())
+
+
+def explore_mlp_share_of_model(value) -> bool:
+    """Share of all SmolLM2's parameters in its 30 MLPs, embedding counted once; within 0.002."""
+    def body():
+        want = mlp_share_of_model()
+        with torch.device("meta"):
+            model = CausalLM(ModelConfig.from_json(CONFIGS / "SmolLM2-135M-Instruct.json"))
+        layers = sum(p.numel() for p in model.model.layers.parameters())
+        mlp = want * sum(p.numel() for p in model.parameters())
+        _close("mlp_share_of_model", value, want, abs_=0.002, mistakes=[
+            ("that is the share within the decoder layers: the question counts the whole model, embedding too",
+             mlp / layers),
+            ("a share, not a percentage: a number between 0 and 1", want * 100)],
+            hint="sum numel() over every layer's mlp.parameters(), then over model.parameters() (which "
+                 "counts the tied embedding and head once)")
+    return _explore("mlp_share_of_model", body)
+
+
+# ------------------------------------------------------------------ 08 kv cache: cache against weights
+
+
+@lru_cache(maxsize=None)
+def kv_crossover_tokens(config: str = "Qwen2.5-0.5B-Instruct") -> int:
+    """The fewest tokens (batch 1) whose bf16 KV cache exceeds or equals the model's bf16 weights."""
+    c = ModelConfig.from_json(CONFIGS / f"{config}.json")
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = CausalLM(c)
+    weights = sum(t.numel() for t in model.parameters()) * 2  # a tied head is one parameter
+    return math.ceil(weights / kv_cache_bytes(c, 1))
+
+
+def explore_kv_crossover_tokens(value) -> bool:
+    """Context length at which Qwen2.5-0.5B's bf16 KV cache outweighs its bf16 weights; within 1%."""
+    def body():
+        want = kv_crossover_tokens()
+        _close("kv_crossover_tokens", value, want, rel=0.01, mistakes=[
+            ("the cache holds a key AND a value per kv head, and both it and the weights are bf16 (2 bytes)",
+             want * 2),
+            ("both in bf16: 2 bytes per weight as well as per cached number", want / 2),
+            ("count the tied embedding/head once (model.parameters() does)", want + 151936 * 896 * 2 / 12288),
+        ], hint="weights in bytes: count the parameters (a CausalLM built under torch.device('meta') has "
+                "the shapes without the memory); per token: kv_cache_bytes(config, 1)")
+    return _explore("kv_crossover_tokens", body)
+
+
+# ------------------------------------------------------------------ 09 sampling: the tail of a real row
+
+
+@lru_cache(maxsize=1)
+def _story_probs() -> torch.Tensor:
+    llm = load()
+    ids = llm.tokenizer.encode("Once upon a time, there was a little")
+    with torch.no_grad():
+        return torch.softmax(llm.model(torch.tensor([ids]))[0, -1].float(), -1)
+
+
+def tail(threshold: float = 1e-4) -> tuple[int, float]:
+    """(how many tokens, their total probability) below `threshold` on SmolLM2's row after "little", t = 1."""
+    p = _story_probs()
+    below = p < threshold
+    return int(below.sum()), float(p[below].sum())
+
+
+def explore_tail(value) -> bool:
+    """(count, mass) of the tokens below probability 1e-4 after "...a little"; count within 0.5%, mass 0.002."""
+    def body():
+        count, mass = _pair("tail", value)
+        want_count, want_mass = tail()
+        vocab = 49152
+        _close("tail count", count, want_count, rel=0.005, mistakes=[
+            ("that counts the tokens above the threshold, not below", vocab - want_count)],
+            hint="probabilities are softmax(logits) of the last row, temperature 1; count p < 1e-4")
+        _close("tail mass", mass, want_mass, abs_=0.002, mistakes=[
+            ("that is the mass above the threshold: sum the probabilities of the tokens below it", 1 - want_mass)],
+            hint="sum the probabilities of the same tokens (a number between 0 and 1)")
+    return _explore("tail", body)
+
+
+# ------------------------------------------------------------------ 10 generate: tokens that are not text
+
+
+@lru_cache(maxsize=1)
+def broken_tokens() -> int:
+    """How many of SmolLM2's tokens are not valid UTF-8 on their own (fragments of a character)."""
+    tok = Tokenizer.from_gguf(embedded_gguf_path())
+    count = 0
+    for i in range(tok.vocab_size):
+        try:
+            tok.token_bytes(i).decode("utf-8")
+        except UnicodeDecodeError:
+            count += 1
+    return count
+
+
+def explore_broken_tokens(value) -> bool:
+    """How many of SmolLM2's 49,152 tokens do not decode alone (their bytes are not valid UTF-8); exact."""
+    def body():
+        want = broken_tokens()
+        _close("broken_tokens", value, want, mistakes=[
+            ("that counts the tokens that DO decode alone", 49152 - want)],
+            hint="decode each token's bytes (token_bytes) strictly, bytes.decode('utf-8'), and count the "
+                 "UnicodeDecodeErrors; tokenizer.decode replaces bad bytes with \ufffd instead of failing")
+    return _explore("broken_tokens", body)
+
+
+# ------------------------------------------------------------------ 11 paged cache: what reserving costs
+
+
+def sequences_that_fit(budget: int = 2**30 * 2, length: int = 300, block_size: int = 16) -> tuple[int, int]:
+    """SmolLM2 sequences of `length` tokens a bf16 cache of `budget` bytes holds: (dense at 8192, paged)."""
+    c = ModelConfig.from_json(CONFIGS / "SmolLM2-135M-Instruct.json")
+    dense = kv_cache_bytes(c, c.max_position_embeddings)
+    paged = kv_cache_bytes(c, math.ceil(length / block_size) * block_size)  # whole blocks
+    return budget // dense, budget // paged
+
+
+def explore_sequences_that_fit(value) -> bool:
+    """(dense, paged) count of 300-token SmolLM2 sequences in a 2 GiB bf16 cache, blocks of 16; exact."""
+    def body():
+        dense, paged = _pair("sequences_that_fit", value)
+        want_dense, want_paged = sequences_that_fit()
+        _close("sequences that fit, dense", dense, want_dense, mistakes=[
+            ("the dense cache reserves the whole 8192-token context per sequence, in bf16 (2 bytes)",
+             2**31 // kv_cache_bytes(ModelConfig.from_json(CONFIGS / "SmolLM2-135M-Instruct.json"), 8192,
+                                     dtype=torch.float32))],
+            hint="a whole number of sequences: round down")
+        _close("sequences that fit, paged", paged, want_paged, mistakes=[
+            ("a sequence holds whole blocks: 300 tokens take ceil(300 / 16) blocks", 2**31 // (300 * 23040)),
+            ("that is the dense count: with paging a sequence reserves only its blocks", want_dense)],
+            hint="a whole number of sequences: round down")
+    return _explore("sequences_that_fit", body)
+
+
+# ------------------------------------------------------------------ 13 quantization: bits per weight
+
+
+def int4_bits_per_weight(group_size: int = 32) -> float:
+    """Bits per weight an Int4Linear of SmolLM2's gate_proj shape stores, buffers counted (5.0 for g32)."""
+    linear = torch.nn.Linear(576, 1536, bias=False)
+    layer = Int4Linear.from_linear(linear, group_size, kernel="reference")
+    return sum(b.nbytes for b in layer.buffers()) * 8 / linear.weight.numel()
+
+
+def explore_int4_bits_per_weight(value) -> bool:
+    """Bits per weight of int4 g32 with its scales and zeros counted; within 0.01 bit."""
+    def body():
+        want = int4_bits_per_weight()
+        _close("int4_bits_per_weight", value, want, abs_=0.01, mistakes=[
+            ("count the scales and zeros too: sum the nbytes of every buffer of the layer", 4.0),
+            ("every group stores a zero as well as a scale", 4.5),
+            ("the scales and zeros are bf16 (2 bytes each), not float32", 6.0),
+            ("two 4-bit values share a byte: count qweight's bytes, not its values", want + 4),
+        ], hint="bits = 8 x (bytes of all buffers) / (number of weights)")
+    return _explore("int4_bits_per_weight", body)
+
+
+EXPLORE = {
+    "slow_pairs_theta_10k": explore_slow_pairs_theta_10k,
+    "mlp_share_of_model": explore_mlp_share_of_model,
+    "transpose_copy_bytes": explore_transpose_copy_bytes,
+    "gqa_saved_bytes_per_token": explore_gqa_saved_bytes_per_token,
+    "kv_crossover_tokens": explore_kv_crossover_tokens,
+    "tail": explore_tail,
+    "broken_tokens": explore_broken_tokens,
+    "int4_bits_per_weight": explore_int4_bits_per_weight,
+    "sequences_that_fit": explore_sequences_that_fit,
+}
+"""Exploration name (the answer's variable) -> its check; the reference values come from the functions above."""
