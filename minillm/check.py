@@ -20,10 +20,12 @@ a spreadsheet does not read 3/3 as a date). An exercise is named by the referenc
 generated from (09_sampling), else by the file's stem. It runs students' code: use a sandbox.
 
 The checks live in minillm/check_model.py (notebooks 01-05), minillm/check_loading.py (06, 07, 10),
-minillm/check_serving.py (08-13) and minillm/check_engine.py (12, 14); the exploration tasks' checks
-(check.explore_<name>, not in CHECKS: they take a measured number, run in the notebook) in
-minillm/check_explore.py (EXPLORE) and, for 12 and 14, check_engine.py,
-on the harness of minillm/check_harness.py; this module names them (CHECKS) and runs them.
+minillm/check_serving.py (08-13), minillm/check_engine.py (12, 14) and check_first_versions.py (the
+lessons' first versions in 02, 10 and 13: naive_attention, greedy_decode, fake_quant). The
+exploration tasks' checks (check.explore_<name>, named in EXPLORE, not in CHECKS: they take a
+measured number and run in the notebook) are in minillm/check_explore.py (counts and bytes) and
+check_engine.py (12 and 14: measurements). All run on the harness of minillm/check_harness.py;
+this module names them (CHECKS, EXPLORE) and runs them.
 """
 
 from __future__ import annotations
@@ -40,20 +42,24 @@ import types
 from pathlib import Path
 from typing import Callable
 
+from minillm import check_engine, check_explore
 from minillm.check_engine import (admit, explore_speedup_16, explore_text_share, make_room, output_events,
                                   preempt_seq)
 from minillm.check_explore import (
-    EXPLORE,
+    explore_attention_crossover_tokens,
     explore_broken_tokens,
+    explore_chinese_share,
     explore_gqa_saved_bytes_per_token,
     explore_int4_bits_per_weight,
     explore_kv_crossover_tokens,
     explore_mlp_share_of_model,
+    explore_qwen7b_bytes,
     explore_sequences_that_fit,
     explore_slow_pairs_theta_10k,
     explore_tail,
     explore_transpose_copy_bytes,
 )
+from minillm.check_first_versions import fake_quant, greedy_decode, naive_attention
 from minillm.check_harness import CheckFailed
 from minillm.check_loading import bpe, stop_strings_push, stream, stream_decoder_push, unpermute_qk
 from minillm.check_model import (
@@ -85,14 +91,15 @@ from minillm.check_serving import (
 
 __all__ = [
     "contiguous_strides", "transpose", "expand", "matmul",
-    "causal_mask", "attention_weights", "scaled_dot_product_attention",
+    "naive_attention", "causal_mask", "attention_weights", "scaled_dot_product_attention",
     "rotate_half", "rope_cos_sin", "apply_rope",
     "rms_norm", "mlp_forward", "attention_forward", "decoder_layer_forward",
-    "kv_cache_update", "gather_reference", "batch_layout", "top_k_filter", "top_p_filter", "min_p_filter", "quantize_int4", "dequantize_q4_1",
-    "unpermute_qk", "bpe", "stream_decoder_push", "stop_strings_push", "stream",
+    "kv_cache_update", "gather_reference", "batch_layout", "top_k_filter", "top_p_filter", "min_p_filter", "fake_quant", "quantize_int4",
+    "dequantize_q4_1", "unpermute_qk", "bpe", "stream_decoder_push", "stop_strings_push", "greedy_decode", "stream",
     "explore_transpose_copy_bytes", "explore_gqa_saved_bytes_per_token", "explore_kv_crossover_tokens",
     "explore_tail", "explore_broken_tokens", "explore_int4_bits_per_weight", "explore_slow_pairs_theta_10k",
-    "explore_mlp_share_of_model", "explore_sequences_that_fit", "EXPLORE",
+    "explore_mlp_share_of_model", "explore_sequences_that_fit", "explore_attention_crossover_tokens",
+    "explore_qwen7b_bytes", "explore_chinese_share", "EXPLORE",
     "admit", "preempt_seq", "make_room", "explore_speedup_16", "output_events", "explore_text_share",
     "CheckFailed", "CHECKS", "check_namespace", "check_path", "grade", "main",
 ]
@@ -102,19 +109,22 @@ __all__ = [
 
 CHECKS: dict[str, Callable[[object], bool]] = {
     "contiguous_strides": contiguous_strides, "transpose": transpose, "expand": expand, "matmul": matmul,
-    "causal_mask": causal_mask, "attention_weights": attention_weights,
+    "naive_attention": naive_attention, "causal_mask": causal_mask, "attention_weights": attention_weights,
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "rotate_half": rotate_half, "rope_cos_sin": rope_cos_sin, "apply_rope": apply_rope,
     "rms_norm": rms_norm, "MLP.forward": mlp_forward,
     "Attention.forward": attention_forward, "DecoderLayer.forward": decoder_layer_forward,
     "KVCache.update": kv_cache_update, "gather_reference": gather_reference, "batch_layout": batch_layout,
     "top_k_filter": top_k_filter, "top_p_filter": top_p_filter, "min_p_filter": min_p_filter,
-    "quantize_int4": quantize_int4, "dequantize_q4_1": dequantize_q4_1,
+    "fake_quant": fake_quant, "quantize_int4": quantize_int4, "dequantize_q4_1": dequantize_q4_1,
     "unpermute_qk": unpermute_qk, "bpe": bpe, "StreamDecoder.push": stream_decoder_push,
-    "StopStrings.push": stop_strings_push, "stream": stream,
+    "StopStrings.push": stop_strings_push, "greedy_decode": greedy_decode, "stream": stream,
     "admit": admit, "preempt_seq": preempt_seq, "make_room": make_room, "output_events": output_events,
 }
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
+
+EXPLORE: dict[str, Callable[[object], bool]] = {**check_explore.EXPLORE, **check_engine.EXPLORE}
+"""Exploration name (the answer's variable) -> its check, which takes the number (check.explore_<name>)."""
 
 _EXPORT = re.compile(r"^#\|\s*export")
 

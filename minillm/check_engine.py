@@ -14,7 +14,7 @@ import json
 from collections import deque
 from functools import partial
 
-from minillm.check_harness import fail, run_check
+from minillm.check_harness import bounded, fail, run_check, run_explore
 from minillm.engine import FINISHED, RUNNING, WAITING, Output, Sequence
 from minillm.openai_protocol import Reply
 from minillm.paged_cache import BlockManager
@@ -116,12 +116,12 @@ def _replay(admit_fn, make_room_fn, scenario, steps: int = 16) -> list[dict]:
             names[len(names)] = name
             waiting.append(_sequence(len(names) - 1, prompt))
         before = list(running)
-        result = make_room_fn(manager, running, waiting)
+        result = bounded(make_room_fn, "make_room")(manager, running, waiting)
         if not (isinstance(result, tuple) and len(result) == 2):
             fail(f"make_room returned {result!r}, expected a tuple (decoding, number preempted)")
         decoding, n_preempted = result
         preempted = [s for s in before if s not in running]
-        result = admit_fn(manager, waiting, running, max_num_seqs, max_len)
+        result = bounded(admit_fn, "admit")(manager, waiting, running, max_num_seqs, max_len)
         if not (isinstance(result, tuple) and len(result) == 2):
             fail(f"admit returned {result!r}, expected a tuple (admitted, rejected)")
         admitted, rejected = result
@@ -236,7 +236,7 @@ def explore_speedup_16(speedup_16) -> bool:
             fail(f"speedup_16 = {speedup_16:.3g}: more than 16 requests' worth; 16 sequences cannot make "
                  "a step cheaper than one", "compare tokens per second (generated tokens / seconds), both measured "
                  "the same way, after a warm-up")
-    return run_check("explore_speedup_16", body)
+    return run_explore("speedup_16", body)
 
 
 # ------------------------------------------------------------------ 14 server: one output, its events
@@ -379,4 +379,8 @@ def explore_text_share(text_share) -> bool:
             fail(f"text_share = {text_share:.3g}; a chunk of some 200 bytes carries a few bytes of text, so "
                  "expected between 0.005 and 0.2", "count bytes (len of .encode()) of the answer's text and of "
                  "every event the stream sent, [DONE] included")
-    return run_check("explore_text_share", body)
+    return run_explore("text_share", body)
+
+
+EXPLORE = {"speedup_16": explore_speedup_16, "text_share": explore_text_share}
+"""Exploration name -> its check: measurements on this machine, so the checks accept a plausible range."""

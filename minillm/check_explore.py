@@ -19,21 +19,14 @@ from pathlib import Path
 import torch
 
 from minillm.api import load
-from minillm.check_harness import fail, run_check
+from minillm.check_harness import fail, run_explore
 from minillm.embedded import embedded_gguf_path
 from minillm.kv_cache import kv_cache_bytes
 from minillm.model import CausalLM, ModelConfig
 from minillm.quant import Int4Linear
-from minillm.tokenizer import Tokenizer
+from minillm.tokenizer import Tokenizer, load_tiktoken_ranks, qwen_tiktoken_path
 
 CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
-REMINDER = "  now write, in the cell below, one sentence that explains the number (your teacher reads it)"
-
-
-def _explore(name: str, body) -> bool:
-    ok = run_check(f"explore_{name}", body)
-    print(REMINDER)
-    return ok
 
 
 def _number(what: str, got) -> float:
@@ -91,7 +84,7 @@ def explore_transpose_copy_bytes(value) -> bool:
             ("count bytes, not elements: numel() x element_size()", want_copy / 4),
             ("the transposed view is not contiguous, so contiguous() copies every element", 0)],
             hint="the copy's own storage: untyped_storage().nbytes()")
-    return _explore("transpose_copy_bytes", body)
+    return run_explore("transpose_copy_bytes", body)
 
 
 # ------------------------------------------------------------------ 02 attention: what GQA saves
@@ -115,7 +108,7 @@ def explore_gqa_saved_bytes_per_token(value) -> bool:
             ("kv_bytes_per_token above uses Qwen2.5-0.5B's 24 layers: take SmolLM2's from its config", want * 24 / 30),
             ("that is what full multi-head stores; the question asks what GQA saves (full minus GQA)", want * 1.5),
         ], hint="per token: 2 (k, v) x layers x heads x head_dim x 2 bytes, for 9 heads minus for 3")
-    return _explore("gqa_saved_bytes_per_token", body)
+    return run_explore("gqa_saved_bytes_per_token", body)
 
 
 # ------------------------------------------------------------------ 03 rope: slow pairs and the base
@@ -137,7 +130,7 @@ def explore_slow_pairs_theta_10k(value) -> bool:
             ("that counts the fast pairs (at least one turn), not the slow ones", 32 - want)],
             hint="the speeds for another base: the same function as smol_inv_freq with 10_000; a pair is slow "
                  "when its wavelength 2*pi/speed exceeds the context")
-    return _explore("slow_pairs_theta_10k", body)
+    return run_explore("slow_pairs_theta_10k", body)
 
 
 # ------------------------------------------------------------------ 04 norm and mlp: where the parameters are
@@ -165,7 +158,127 @@ def explore_mlp_share_of_model(value) -> bool:
             ("a share, not a percentage: a number between 0 and 1", want * 100)],
             hint="sum numel() over every layer's mlp.parameters(), then over model.parameters() (which "
                  "counts the tied embedding and head once)")
-    return _explore("mlp_share_of_model", body)
+    return run_explore("mlp_share_of_model", body)
+
+
+# ------------------------------------------------------------------ 05 model: when attention outweighs the weights
+
+
+def _meta_model(config: str) -> CausalLM:
+    with torch.device("meta"):
+        return CausalLM(ModelConfig.from_json(CONFIGS / f"{config}.json"))
+
+
+def attention_crossover_tokens(config: str = "SmolLM2-135M-Instruct", heads: str = "num_attention_heads",
+                               head: bool = True, values: bool = True) -> int:
+    """The context length from which one new token's attention arithmetic (q.k over t keys, then the
+    weighted sum of t values, every head of every layer) is at least its weight matmuls' (the head too).
+    The keywords plant the known slips (kv heads, no output head, scores only)."""
+    c = ModelConfig.from_json(CONFIGS / f"{config}.json")
+    model = _meta_model(config)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    if head and model.lm_head is None:  # tied: the head multiplies by the embedding matrix
+        weights += c.vocab_size * c.hidden_size
+    if not head and model.lm_head is not None:
+        weights -= model.lm_head.weight.numel()
+    per_key = (1 + values) * c.num_hidden_layers * getattr(c, heads) * c.head_dim  # multiply-adds per cached position
+    return math.ceil(weights / per_key)
+
+
+def explore_attention_crossover_tokens(value) -> bool:
+    """SmolLM2's context length where attention's multiply-adds per new token reach its weights'; within 1%."""
+    def body():
+        want = attention_crossover_tokens()
+        _close("attention_crossover_tokens", value, want, rel=0.01, mistakes=[
+            ("each of the 9 query heads computes its own scores and sums: GQA shares keys and values in memory, "
+             "not the arithmetic", attention_crossover_tokens(heads="num_key_value_heads")),
+            ("the output head is a matmul too: 49,152 x 576 with the tied embedding",
+             attention_crossover_tokens(head=False)),
+            ("attention does two products per key: q.k for the score, then the score times v",
+             attention_crossover_tokens(values=False))],
+            hint="weights: numel() of every nn.Linear's weight plus the tied head's V x h; attention per key: "
+                 "2 x layers x heads x head_dim multiply-adds")
+    return run_explore("attention_crossover_tokens", body)
+
+
+# ------------------------------------------------------------------ 06 weights: a 7B model's file and memory
+
+Q8_0_BYTES, Q4_1_BYTES = 34 / 32, 20 / 32  # a block of 32 weights: float16 d (+ m for Q4_1) and the values
+
+
+def qwen7b_bytes(q8: float = Q8_0_BYTES, q4: float = Q4_1_BYTES, float_bytes: int = 4,
+                 config: str = "Qwen2.5-7B-Instruct") -> tuple[float, float]:
+    """(tensor bytes of a GGUF with SmolLM2's recipe, bytes in float32 after loading) for a config.
+
+    The recipe: embedding and output head Q8_0, every other matrix Q4_1, norms and biases float32."""
+    file = loaded = 0.0
+    for name, p in _meta_model(config).named_parameters():
+        if "embed_tokens" in name or name.startswith("lm_head"):
+            file += p.numel() * q8
+        elif p.dim() == 2:
+            file += p.numel() * q4
+        else:
+            file += p.numel() * 4
+        loaded += p.numel() * float_bytes
+    return file, loaded
+
+
+def explore_qwen7b_bytes(value) -> bool:
+    """(GGUF tensor bytes with SmolLM2's Q8_0/Q4_1 recipe, float32 bytes after from_gguf) of Qwen2.5-7B; 1%."""
+    def body():
+        file, loaded = _pair("qwen7b_bytes", value)
+        want_file, want_loaded = qwen7b_bytes()
+        _close("the GGUF file's tensor bytes", file, want_file, rel=0.01, mistakes=[
+            ("a block stores its float16 scale (and Q4_1 its minimum) besides the values: 34 bytes per 32 "
+             "weights for Q8_0, 20 for Q4_1 (gguf.GGML_QUANT_SIZES)", qwen7b_bytes(q8=1.0, q4=0.5)[0]),
+            ("bits, not bytes: divide by 8", want_file * 8)],
+            hint="per parameter tensor: numel() x its type's bytes per weight; Qwen2.5-7B's head is a "
+                 "tensor of its own (untied)")
+        _close("the float32 bytes after loading", loaded, want_loaded, rel=0.01, mistakes=[
+            ("from_gguf dequantizes to float32: 4 bytes per parameter", qwen7b_bytes(float_bytes=2)[1]),
+            ("that is the file's size: loading turns every weight into a float32", want_file)],
+            hint="4 bytes for every parameter, the untied head included")
+    return run_explore("qwen7b_bytes", body)
+
+
+# ------------------------------------------------------------------ 07 tokenizer: whose vocabulary speaks Chinese
+
+
+def _has_cjk(token: bytes) -> bool:
+    """Whether the token is valid UTF-8 holding a CJK Unified Ideograph (U+4E00 to U+9FFF)."""
+    try:
+        text = token.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return any("\u4e00" <= ch <= "\u9fff" for ch in text)
+
+
+@lru_cache(maxsize=1)
+def chinese_share() -> tuple[float, float]:
+    """(Qwen2.5's share, SmolLM2's share) of vocabulary tokens that hold a Chinese character."""
+    ranks = load_tiktoken_ranks(qwen_tiktoken_path())
+    smol = Tokenizer.from_gguf(embedded_gguf_path())
+    smol_tokens = [smol.token_bytes(i) for i in range(smol.vocab_size)]
+    return sum(map(_has_cjk, ranks)) / len(ranks), sum(map(_has_cjk, smol_tokens)) / len(smol_tokens)
+
+
+def explore_chinese_share(value) -> bool:
+    """(Qwen2.5, SmolLM2) shares of tokens that decode to text with a CJK ideograph; within 0.002 and 0.0002."""
+    def body():
+        qwen, smol = _pair("chinese_share", value)
+        want_qwen, want_smol = chinese_share()
+        _close("Qwen2.5's share", qwen, want_qwen, abs_=0.002, mistakes=[
+            ("the pair is (Qwen2.5, SmolLM2), in that order", want_smol),
+            ("a share, not a percentage: a number between 0 and 1", want_qwen * 100)],
+            hint="count the ranks' tokens (bytes) that decode as UTF-8 and hold a character between "
+                 "U+4E00 and U+9FFF, over all 151,643")
+        _close("SmolLM2's share", smol, want_smol, abs_=0.0002, mistakes=[
+            ("the pair is (Qwen2.5, SmolLM2), in that order", want_qwen),
+            ("no token spelled in the byte alphabet holds a Chinese character: decode the token's bytes "
+             "(token_bytes, or unspell)", 0.0)],
+            hint="id_to_token gives a token in the byte alphabet: take its bytes (token_bytes, or unspell) "
+                 "before decoding them as UTF-8")
+    return run_explore("chinese_share", body)
 
 
 # ------------------------------------------------------------------ 08 kv cache: cache against weights
@@ -192,7 +305,7 @@ def explore_kv_crossover_tokens(value) -> bool:
             ("count the tied embedding/head once (model.parameters() does)", want + 151936 * 896 * 2 / 12288),
         ], hint="weights in bytes: count the parameters (a CausalLM built under torch.device('meta') has "
                 "the shapes without the memory); per token: kv_cache_bytes(config, 1)")
-    return _explore("kv_crossover_tokens", body)
+    return run_explore("kv_crossover_tokens", body)
 
 
 # ------------------------------------------------------------------ 09 sampling: the tail of a real row
@@ -225,7 +338,7 @@ def explore_tail(value) -> bool:
         _close("tail mass", mass, want_mass, abs_=0.002, mistakes=[
             ("that is the mass above the threshold: sum the probabilities of the tokens below it", 1 - want_mass)],
             hint="sum the probabilities of the same tokens (a number between 0 and 1)")
-    return _explore("tail", body)
+    return run_explore("tail", body)
 
 
 # ------------------------------------------------------------------ 10 generate: tokens that are not text
@@ -252,7 +365,7 @@ def explore_broken_tokens(value) -> bool:
             ("that counts the tokens that DO decode alone", 49152 - want)],
             hint="decode each token's bytes (token_bytes) strictly, bytes.decode('utf-8'), and count the "
                  "UnicodeDecodeErrors; tokenizer.decode replaces bad bytes with \ufffd instead of failing")
-    return _explore("broken_tokens", body)
+    return run_explore("broken_tokens", body)
 
 
 # ------------------------------------------------------------------ 11 paged cache: what reserving costs
@@ -280,7 +393,7 @@ def explore_sequences_that_fit(value) -> bool:
             ("a sequence holds whole blocks: 300 tokens take ceil(300 / 16) blocks", 2**31 // (300 * 23040)),
             ("that is the dense count: with paging a sequence reserves only its blocks", want_dense)],
             hint="a whole number of sequences: round down")
-    return _explore("sequences_that_fit", body)
+    return run_explore("sequences_that_fit", body)
 
 
 # ------------------------------------------------------------------ 13 quantization: bits per weight
@@ -303,12 +416,15 @@ def explore_int4_bits_per_weight(value) -> bool:
             ("the scales and zeros are bf16 (2 bytes each), not float32", 6.0),
             ("two 4-bit values share a byte: count qweight's bytes, not its values", want + 4),
         ], hint="bits = 8 x (bytes of all buffers) / (number of weights)")
-    return _explore("int4_bits_per_weight", body)
+    return run_explore("int4_bits_per_weight", body)
 
 
 EXPLORE = {
     "slow_pairs_theta_10k": explore_slow_pairs_theta_10k,
     "mlp_share_of_model": explore_mlp_share_of_model,
+    "attention_crossover_tokens": explore_attention_crossover_tokens,
+    "qwen7b_bytes": explore_qwen7b_bytes,
+    "chinese_share": explore_chinese_share,
     "transpose_copy_bytes": explore_transpose_copy_bytes,
     "gqa_saved_bytes_per_token": explore_gqa_saved_bytes_per_token,
     "kv_crossover_tokens": explore_kv_crossover_tokens,

@@ -2,12 +2,14 @@
 
 A check body raises CheckFailed with the feedback a student sees; `run_check` prints PASS or
 FAIL with it; `compare` names the first wrong element and, when the result matches a known
-mistake, that mistake's hint. The checks themselves are minillm/check_model.py (notebooks 01-05)
-and minillm/check_serving.py (08-13); minillm/check.py is the front door.
+mistake, that mistake's hint; `run_explore` runs an exploration's check and reminds the student of
+the sentence; `bounded` stops a student's function that does not return. The checks themselves are
+in the other check_*.py modules; minillm/check.py is the front door and names them.
 """
 
 from __future__ import annotations
 
+import sys
 import traceback
 from typing import Callable
 
@@ -40,6 +42,43 @@ def run_check(name: str, body: Callable[[], None]) -> bool:
         return False
     print(f"PASS {name}")
     return True
+
+
+EXPLAIN = "  now write, in the cell below, one sentence that explains the number (your teacher reads it)"
+
+
+def run_explore(name: str, body: Callable[[], None]) -> bool:
+    """run_check for an exploration task (check.explore_<name>): the number is half the answer."""
+    ok = run_check(f"explore_{name}", body)
+    print(EXPLAIN)
+    return ok
+
+
+def bounded(fn: Callable, what: str, max_lines: int = 200_000) -> Callable:
+    """fn, stopped with a CheckFailed once it has run max_lines lines of Python (its callees' included).
+
+    A student's loop that never ends would hang the check; counting lines (sys.settrace) stops it on
+    every machine after the same amount of work, where a timer would depend on the machine's speed.
+    """
+    def call(*args, **kwargs):
+        count, previous = 0, sys.gettrace()
+
+        def tracer(frame, event, arg):
+            nonlocal count
+            if event == "line":
+                count += 1
+                if count > max_lines:
+                    sys.settrace(previous)
+                    fail(f"{what} did not return after {max_lines:,} lines of Python: a loop that never ends?",
+                         "check that every loop makes progress: an index that advances, a queue that shrinks")
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sys.settrace(previous)
+    return call
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-6) -> bool:

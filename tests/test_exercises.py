@@ -83,6 +83,7 @@ def _calls(ns: dict) -> dict:
         "dequantize_q4_1": lambda f: f(torch.zeros(20, dtype=torch.uint8), (1, 32)),
         **_loading_calls(),
         **_engine_calls(),
+        **_first_version_calls(),
     }
 
 
@@ -468,6 +469,81 @@ def test_explorations_accept_plausible_numbers(capsys):
     assert "not the reverse" in capsys.readouterr().out
 
 
+# ---------------------------------------------------------------- the first versions of 02, 10, 13
+# (minillm/check_first_versions.py: lesson cells, not exported, so the reference is the notebook's own cell)
+
+from minillm.check_harness import bounded  # noqa: E402
+
+
+def _cell_defining(notebook: str, name: str) -> str:
+    nb = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text(encoding="utf-8"))
+    return next("".join(c["source"]) for c in nb["cells"]
+                if c["cell_type"] == "code" and f"def {name}(" in "".join(c["source"]))
+
+
+def notebook_function(notebook: str, name: str, module, old: str = "", new: str = "", label: str = ""):
+    """The reference notebook's own `name`, its cell run in the namespace of the module the notebook builds;
+    with old -> new, one line of it changed (a planted mistake in the student's region), named label."""
+    source = _cell_defining(notebook, name)
+    if old:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    namespace = dict(vars(module))
+    exec(compile(source, f"{notebook}.ipynb:{label or name}", "exec"), namespace)
+    namespace[name].__name__ = label or name
+    return namespace[name]
+
+
+FIRST_REFERENCE = {
+    "naive_attention": notebook_function("02_attention", "naive_attention", attention),
+    "greedy_decode": notebook_function("10_generate", "greedy_decode", generate),
+    "fake_quant": notebook_function("13_quantization", "fake_quant", quant),
+}
+
+
+def _first_version_calls() -> dict:
+    lm, _ = check_loading._tiny_lm()
+    return {
+        "naive_attention": lambda f: f(torch.randn(3, 4), torch.randn(5, 4), torch.randn(5, 4)),
+        "greedy_decode": lambda f: f(lm, [1, 2], 2),
+        "fake_quant": lambda f: f(torch.randn(2, 32), 4, 32, False),
+    }
+
+
+FIRST_PLANTED = [(name, notebook_function(nb, name, module, old, new, label), hint)
+                 for name, nb, module, old, new, label, hint in [
+    ("naive_attention", "02_attention", attention, " / math.sqrt(q.shape[-1])", "", "naive_unscaled", "sqrt(D)"),
+    ("naive_attention", "02_attention", attention, "softmax(dim=-1)", "softmax(dim=0)", "naive_softmax_over_queries",
+     "softmax over the keys"),
+    ("greedy_decode", "10_generate", generate, "ids = torch.tensor([[tokens[-1]]], device=device)",
+     "ids, start_pos = torch.tensor([list(prompt_ids) + tokens], device=device), 0", "greedy_without_cache",
+     "feed only the newest token"),
+    ("greedy_decode", "10_generate", generate, "start_pos += ids.shape[1]", "start_pos += 1",
+     "greedy_advancing_by_one", "the number of tokens already in the cache"),
+    ("greedy_decode", "10_generate", generate, "for _ in range(n):", "for _ in range(n - 1):",
+     "greedy_one_short", "n - 1 decode passes"),
+    ("fake_quant", "13_quantization", quant, "(2**bits - 1)", "2**bits", "fake_quant_sixteen_steps",
+     "divide by 2**bits - 1"),
+    ("fake_quant", "13_quantization", quant, "w.reshape(N, K // group, group)", "w.reshape(N, 1, K)",
+     "fake_quant_per_row", "reduce over the last axis"),
+    ("fake_quant", "13_quantization", quant, "* s + lo)", "* s)", "fake_quant_without_zero_point", "q * s + lo"),
+]]
+
+
+def test_a_loop_that_never_ends_fails_instead_of_hanging(capsys):
+    def admit_forever(manager, waiting, running, max_num_seqs, max_model_len):
+        while waiting:  # never takes anyone off the queue
+            pass
+    assert check.admit(admit_forever) is False
+    assert "did not return after 200,000 lines of Python" in capsys.readouterr().out
+    assert sys.gettrace() is None or "coverage" in type(sys.gettrace()).__module__  # the tracer is gone
+
+
+def test_bounded_leaves_a_function_that_returns_alone():
+    assert bounded(sum, "sum")([1, 2, 3]) == 6
+    assert bounded(lambda n: sum(i for i in range(n)), "count")(1000) == 499500
+
+
 # ---------------------------------------------------------------- the reference passes
 
 REFERENCE = {
@@ -482,6 +558,7 @@ REFERENCE = {
     "quantize_int4": quant.quantize_int4, "dequantize_q4_1": quant.dequantize_q4_1,
     **LOADING_REFERENCE,
     **ENGINE_REFERENCE,
+    **FIRST_REFERENCE,
 }
 
 
@@ -668,6 +745,7 @@ PLANTED = [
     ("dequantize_q4_1", q4_1_adjacent_nibbles, "not q_{2j} and q_{2j+1}"),
     *LOADING_PLANTED,
     *ENGINE_PLANTED,
+    *FIRST_PLANTED,
 ]
 
 
@@ -983,14 +1061,22 @@ EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of 
     "slow_pairs_theta_10k": (7, 12, "SmolLM2's own rope_theta"),
     "mlp_share_of_model": (check_explore.mlp_share_of_model(), 0.7498, "the whole model"),
     "sequences_that_fit": ((11, 306), (11, 310), "whole blocks"),
+    "attention_crossover_tokens": (3892, 11674, "GQA shares keys and values in memory"),
+    "qwen7b_bytes": (check_explore.qwen7b_bytes(), (check_explore.qwen7b_bytes(q8=1.0, q4=0.5)[0],
+                                                    check_explore.qwen7b_bytes()[1]), "float16 scale"),
+    "chinese_share": (check_explore.chinese_share(), (check_explore.chinese_share()[0], 0.0), "byte alphabet"),
 }
+MEASURED = {"speedup_16", "text_share"}  # measurements on this machine: test_explorations_accept_plausible_numbers
 
 
 def test_every_exploration_has_a_reference():
-    assert set(EXPLORE_REFERENCE) == set(check_explore.EXPLORE)
-    for name in check_explore.EXPLORE:
-        assert getattr(check, f"explore_{name}") is check_explore.EXPLORE[name]
+    assert set(EXPLORE_REFERENCE) == set(check_explore.EXPLORE) and MEASURED == set(check_engine.EXPLORE)
+    assert set(check.EXPLORE) == set(EXPLORE_REFERENCE) | MEASURED  # one registry
+    for name, explore in check.EXPLORE.items():
+        assert getattr(check, f"explore_{name}") is explore
         assert f"explore_{name}" in check.__all__
+    in_notebooks = {n for p in EXERCISES for n in json.loads(p.read_text(encoding="utf-8"))["metadata"]["minillm"].get("explore", [])}
+    assert in_notebooks == set(check.EXPLORE)
 
 
 def test_exploration_references_are_the_numbers_the_notebooks_print():
@@ -1002,6 +1088,12 @@ def test_exploration_references_are_the_numbers_the_notebooks_print():
     assert check_explore.slow_pairs() == 7 and check_explore.slow_pairs(100_000.0) == 12  # notebook 03's first_slow = 20
     assert abs(check_explore.mlp_share_of_model() - 30 * 3 * 576 * 1536 / 134_515_008) < 1e-9
     assert check_explore.sequences_that_fit() == (2**31 // (8192 * 23040), 2**31 // (19 * 16 * 23040))
+    assert check_explore.attention_crossover_tokens() == -(-(30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+                                                             + 49152 * 576) // (2 * 30 * 9 * 64))
+    smol_file, smol_float = check_explore.qwen7b_bytes(config="SmolLM2-135M-Instruct")
+    assert smol_file == 96_576_768 and smol_float == 4 * 134_515_008  # the embedded file's tensor bytes, exactly
+    qwen, smol = check_explore.chinese_share()
+    assert 0.15 < qwen < 0.19 and 0.001 < smol < 0.002  # 25,511 of 151,643 and 80 of 49,152
     count, mass = check_explore.tail()
     assert abs(count - 48816) <= 250 and abs(mass - 0.0425) <= 0.002
 
@@ -1034,9 +1126,8 @@ def test_exploration_tolerances_are_stated_and_kept(capsys):
 EXPLORED = [p for p in EXERCISES if json.loads(p.read_text(encoding="utf-8"))["metadata"]["minillm"].get("explore")]
 
 
-def test_exploration_notebooks():
-    assert {p.stem for p in EXPLORED} >= {"01_tensors", "02_attention", "03_rope", "04_norm_mlp", "08_kv_cache",
-                                          "09_sampling", "10_generate", "11_paged_cache", "13_quantization"}
+def test_every_exercise_notebook_has_an_exploration():
+    assert EXPLORED == EXERCISES
 
 
 @pytest.mark.parametrize("path", EXPLORED, ids=lambda p: p.stem)
@@ -1052,8 +1143,8 @@ def test_exploration_is_stubbed_in_the_exercise_and_passes_in_the_reference(path
         stub = next(i for i, (s, _) in enumerate(cells) if f"exercise: compute {name}; {make_exercises.SEE_HINT}" in s)
         with pytest.raises(NotImplementedError, match=f"exercise: compute {name}"):  # the student's cell, as given
             exec(compile(cells[stub][0], f"{path.name}:{name}", "exec"), {"__name__": "__main__"})
-        if name not in check_explore.EXPLORE:
-            continue  # another module's exploration (a measurement on this machine): its own tests
+        if name in MEASURED:
+            continue  # a measurement on this machine: its own tests
         hint, call, answer = cells[stub + 1], cells[stub + 2], cells[stub + 3]
         assert hint[1]["cell_type"] == "markdown" and hint[0].startswith("<details><summary>Hint</summary>")
         assert f"check.explore_{name}({name})" in call[0] and not call[0].startswith("from minillm import check")
@@ -1116,7 +1207,7 @@ def test_check_path_checks_the_notebooks_own_definition_when_an_import_rebinds_i
     assert check.check_path(ROOT / "notebooks" / "10_generate.ipynb") == (2, 2)
     out = capsys.readouterr().out
     assert "PASS stream" in out and "PASS StopStrings.push" in out
-    assert check.check_path(ROOT / "exercises" / "10_generate.ipynb") == (0, 2)
+    assert check.check_path(ROOT / "exercises" / "10_generate.ipynb") == (0, 3)  # greedy_decode too
     assert "FAIL stream: not implemented yet" in capsys.readouterr().out
 
 

@@ -14,7 +14,9 @@ Every notebook with such markers gets an exercise version in which:
 - each cell with a stub is followed by the stub's Hint (see `hint NAME` below), then a check cell
   `from minillm import check; check.<name>(<function or class>)`;
 - `#| export` / `#| default_exp` directives are removed (students' code is never exported); the
-  cells that were exported are tagged `module` (`python -m minillm.check` runs those);
+  cells that were exported are tagged `module` (`python -m minillm.check` runs those), and so is a
+  lesson cell with a stub (a first version, like notebook 02's naive_attention), which must then
+  hold only imports and definitions;
 - imports of the notebook's own module from minillm are dropped: the notebook defines those names;
 - outputs and execution counts are cleared (exercise notebooks are not executed in CI);
 - the notebook metadata records the stubs: metadata["minillm"]["stubs"].
@@ -211,6 +213,15 @@ def stub_cell(source: str, where: str, explore: list[str] | None = None) -> tupl
     return "\n".join(out), stubs
 
 
+def _check_definitions_only(source: str, where: str) -> None:
+    """A lesson cell (not exported) with a stub is tagged `module` too, so `python -m minillm.check` runs
+    it with the module cells: it must hold only imports and definitions, not a demonstration."""
+    for node in ast.parse(source).body:
+        if not isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            raise ExerciseError(f"{where}: a cell with a stub holds only imports and definitions (python -m "
+                                f"minillm.check runs it); move line {node.lineno} to a cell of its own below")
+
+
 def check_name(stub: str) -> str:
     """The minillm.check function for a stub: `rms_norm`, `KVCache.update` -> `kv_cache_update`."""
     words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", stub))
@@ -374,7 +385,9 @@ def exercise_notebook(notebook: Path, root: Path = ROOT) -> dict | None:
             ref_code.append((n, src))
             if action == "drop":
                 continue
-            out = _code(src, ["module"] if exported else None)
+            if stubs and not exported:
+                _check_definitions_only(src, f"{rel} cell {n}")
+            out = _code(src, ["module"] if exported or stubs else None)
             if action in ("collapse", "after check, collapsed"):
                 out["metadata"]["jupyter"] = {"source_hidden": True}
             if explored:
