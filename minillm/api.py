@@ -17,11 +17,13 @@ import torch
 from minillm.devices import parse_device, parse_dtype
 from minillm.embedded import embedded_gguf_path
 from minillm.fast import FastCausalLM
-from minillm.generate import Completion, generate, stream
+from minillm.generate import Completion, Step, collect, stream
 from minillm.hub import download
 from minillm.model import CausalLM
 from minillm.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
 from minillm.sampling import SamplingParams
+from minillm.speculative import ModelDrafter, NgramDrafter, int4_drafter
+from minillm.speculative import stream as speculative_stream
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -42,22 +44,37 @@ class LLM:
             return self.tokenizer.encode(prompt_or_messages)
         return self.encode_chat(prompt_or_messages)
 
-    def generate(self, prompt: str, params: SamplingParams | None = None, **kwargs) -> Completion:
-        """Continue plain text (no chat template)."""
-        return generate(self.model, self.tokenizer, self.tokenizer.encode(prompt),
-                        params=params or SamplingParams(temperature=0), **kwargs)
+    def _steps(self, ids, params, speculative, **kwargs) -> Iterator[Step]:
+        params = params or SamplingParams(temperature=0)
+        if speculative is None:
+            return stream(self.model, self.tokenizer, ids, params=params, **kwargs)
+        return speculative_stream(self.model, self.tokenizer, ids, self.drafter(speculative), params=params, **kwargs)
 
-    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, **kwargs) -> Completion:
+    def generate(self, prompt: str, params: SamplingParams | None = None, speculative=None, **kwargs) -> Completion:
+        """Continue plain text (no chat template); speculative: see drafter()."""
+        return collect(self._steps(self.tokenizer.encode(prompt), params, speculative, **kwargs))
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, speculative=None,
+             **kwargs) -> Completion:
         """Answer chat messages ([{"role": "user", "content": ...}, ...]) through the chat template."""
-        return generate(self.model, self.tokenizer, self.encode_chat(messages),
-                        params=params or SamplingParams(temperature=0), **kwargs)
+        return collect(self._steps(self.encode_chat(messages), params, speculative, **kwargs))
 
-    def stream(self, prompt_or_messages, params: SamplingParams | None = None, **kwargs) -> Iterator[str]:
+    def stream(self, prompt_or_messages, params: SamplingParams | None = None, speculative=None,
+               **kwargs) -> Iterator[str]:
         """Text pieces as they are generated, for a plain prompt (str) or chat messages (list)."""
-        for step in stream(self.model, self.tokenizer, self._ids(prompt_or_messages),
-                           params=params or SamplingParams(temperature=0), **kwargs):
+        for step in self._steps(self._ids(prompt_or_messages), params, speculative, **kwargs):
             if step.text:
                 yield step.text
+
+    def drafter(self, speculative):
+        """The drafter for speculative decoding (minillm/speculative.py): "ngram" (prompt lookup),
+        "int4" (this model's own int4 fast path, built on each call), another LLM with the same
+        tokenizer, or a drafter object as it is. The answer is the model's own either way."""
+        if speculative == "ngram":
+            return NgramDrafter()
+        if speculative == "int4":
+            return int4_drafter(self.model)
+        return ModelDrafter(speculative.model) if isinstance(speculative, LLM) else speculative
 
 
 def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,

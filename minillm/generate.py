@@ -193,14 +193,19 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     yield step
 
 
-def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int], **kwargs) -> Completion:
-    """stream(...) collected: the whole text, the generated ids, the finish reason and the metrics."""
+def collect(steps: Iterable[Step]) -> Completion:
+    """Steps collected: the whole text, the generated ids, the finish reason and the metrics."""
     texts, ids, logprobs = [], [], []
-    for step in stream(model, tokenizer, prompt_ids, **kwargs):
+    for step in steps:
         texts.append(step.text)
         ids.append(step.token_id)
         logprobs.append(step.logprob)
     return Completion("".join(texts), ids, step.finish_reason, step.metrics, logprobs)
+
+
+def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int], **kwargs) -> Completion:
+    """stream(...) collected into a Completion."""
+    return collect(stream(model, tokenizer, prompt_ids, **kwargs))
 
 
 @torch.no_grad()

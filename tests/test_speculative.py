@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import DATA, TINY
 from minillm import speculative as sp
+from minillm.api import LLM
 from minillm.generate import generate
 from minillm.kv_cache import make_cache
 from minillm.model import from_folder
@@ -193,3 +194,15 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     seen = [5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6]
     assert d.propose(seen, 3, SamplingParams(temperature=0), None, 0) == ([9, 2, 5], None)  # latest "5 6"
     assert d.propose([1, 2, 3], 3, SamplingParams(temperature=0), None, 0) == ([], None)  # no earlier match
+
+
+def test_the_api_takes_a_drafter_by_name(smollm2):
+    """LLM.chat / generate / stream with speculative= give the answer of plain decoding."""
+    llm = LLM(*smollm2)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = llm.chat(messages, max_new_tokens=24)
+    for speculative in ("ngram", "int4", sp.NgramDrafter(max_ngram=2)):
+        assert llm.chat(messages, max_new_tokens=24, speculative=speculative).token_ids == plain.token_ids
+    assert "".join(llm.stream(messages, max_new_tokens=24, speculative="ngram")) == plain.text
+    assert llm.generate("The capital of France is", max_new_tokens=8, speculative="ngram").text == \
+        llm.generate("The capital of France is", max_new_tokens=8).text
