@@ -4,6 +4,7 @@
     python -m minillm chat                       # interactive, streaming; /reset, /exit
     python -m minillm info                       # what is inside a GGUF file
     python -m minillm serve --port 8000          # an OpenAI-compatible server on 127.0.0.1
+    python -m minillm serve --api-key-file keys.txt --tokens-per-minute 20000 --request-timeout 120
     python -m minillm generate "Hi" --quantize int4 --group-size 32   # int4 weights (notebook 13)
     python -m minillm generate "Hi" --fast --quantize int4            # the fast path (notebook 15)
 
@@ -14,6 +15,7 @@ id, a model folder or a .gguf file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -24,6 +26,7 @@ from minillm.generate import stream
 from minillm.gguf_file import read_gguf
 from minillm.sampling import SamplingParams
 from minillm.server import serve
+from minillm.server_ops import read_keys
 
 
 def gguf_summary(path: Path) -> dict:
@@ -166,12 +169,16 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    keys = read_keys(args.api_key, args.api_key_file, os.environ)  # before loading: a bad key fails fast
     llm = _load(args)
     name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model
                                       else "smollm2-135m-instruct")
-    print(f"minillm: serving {name} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
-    serve(llm, host=args.host, port=args.port, model_name=name, num_blocks=args.num_blocks,
-          max_in_flight=args.max_in_flight)
+    print(f"minillm: serving {name} at http://{args.host}:{args.port}/v1 with {len(keys) or 'no'} API key(s) "
+          f"(SIGTERM or Ctrl-C: drain for up to {args.shutdown_grace:g} s, then exit)", file=sys.stderr)
+    serve(llm, host=args.host, port=args.port, access_log=None if args.access_log == "off" else args.access_log,
+          model_name=name, num_blocks=args.num_blocks, max_in_flight=args.max_in_flight, api_keys=keys,
+          max_concurrent_per_key=args.max_concurrent_per_key, tokens_per_minute=args.tokens_per_minute,
+          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace)
     return 0
 
 
@@ -189,6 +196,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model id clients send (default: from --model)")
     serve.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks of 16 tokens (default: 256)")
     serve.add_argument("--max-in-flight", type=int, default=128, help="requests at once; more get 429 (default: 128)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="require `Authorization: Bearer KEY` on /v1/* (repeatable; also --api-key-file and "
+                            "the MINILLM_API_KEY variable; without any key the server is open)")
+    serve.add_argument("--api-key-file", metavar="PATH", help="API keys, one per line (# comments)")
+    serve.add_argument("--max-concurrent-per-key", type=int, metavar="N", help="requests at once per key (429 past it)")
+    serve.add_argument("--tokens-per-minute", type=int, metavar="N",
+                       help="prompt + completion tokens per minute per key, a token bucket (429 with Retry-After)")
+    serve.add_argument("--request-timeout", type=float, metavar="S",
+                       help="a request still generating after S seconds ends with finish_reason 'length'")
+    serve.add_argument("--shutdown-grace", type=float, default=20.0, metavar="S",
+                       help="on SIGTERM/Ctrl-C, running requests get S seconds to finish; the rest end with "
+                            "finish_reason 'shutdown' (default: 20)")
+    serve.add_argument("--access-log", default="-", metavar="PATH",
+                       help="one JSON line per request: '-' stderr (default), a file, or 'off'")
     _add_weight_flags(serve)
     for name, help_text in (("generate", "answer one prompt, streaming"), ("chat", "interactive chat, streaming")):
         p = sub.add_parser(name, help=help_text)

@@ -6,7 +6,9 @@ Built in notebooks/12_engine.ipynb on the paged KV cache (notebook 11). Each ste
 sequences while KV blocks allow, prefills them, runs one batched decode forward for all running
 sequences, samples each with its own parameters, streams text, finishes sequences on their stop
 conditions and frees their blocks. Out of blocks: the newest running sequence is preempted
-(blocks freed, requeued, recomputed later). In the manner of nano-vllm, without its global context.
+(blocks freed, requeued, recomputed later). A request for n choices is prefilled once; its n
+sequences then share the prompt's blocks (BlockManager.fork, copy-on-write), and choice i samples
+with seed + i. In the manner of nano-vllm, without its global context.
 
 Shape legend: B batch (running sequences), T new tokens, V vocab.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -44,6 +46,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     num_cached: int = 0  # leading tokens whose KV the prefix cache already held at admission
+    forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for this one's prefill
 
     @property
     def token_ids(self) -> list[int]:
@@ -157,6 +160,10 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason, seq.error = FINISHED, reason, error
+        for fork in seq.forks:  # it ended before its prefill: the other choices are queued on their own
+            if fork.status == WAITING:
+                self.add(fork)
+        seq.forks = []
 
     def preempt(self, seq: Sequence) -> None:
         """Free all of seq's blocks and requeue it first; its pending token becomes output to recompute."""
@@ -252,6 +259,41 @@ def sample_batch(seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
     return outputs
 
 
+def choice_params(params: SamplingParams | None, n: int) -> list[SamplingParams | None]:
+    """The parameters of n choices of one prompt: choice i samples with seed + i (no seed: every
+    choice uses torch's global generator), so choice i equals a request of its own with that seed."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if params is None or params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def with_forks(choices: list[Sequence]) -> Sequence:
+    """A request of n choices: the first, with the other n - 1 waiting in its `forks` for its prefill."""
+    choices[0].forks = choices[1:]
+    return choices[0]
+
+
+def fork_choices(manager: BlockManager, running: list[Sequence], seqs: list[Sequence],
+                 logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    """After a prefill forward: each waiting fork of a prefilled sequence shares its blocks and its
+    logits row, and runs. Returns the batch to sample: seqs then the forks, logits (B + forks, V)."""
+    forks, rows = [], []
+    for b, seq in enumerate(seqs):
+        for fork in seq.forks:
+            if fork.status == WAITING:  # an aborted choice is FINISHED already
+                manager.fork(seq.id, fork.id)  # the same blocks, each one's reference count + 1
+                fork.status = RUNNING
+                running.append(fork)
+                forks.append(fork)
+                rows.append(b)
+        seq.forks = []
+    if not forks:
+        return seqs, logits
+    return seqs + forks, torch.cat([logits, logits[rows]])  # (B, V) -> (B + forks, V)
+
+
 class EngineCore:
     """The stepping half of the engine: a model, a paged KV cache, a scheduler and `step`."""
 
@@ -272,8 +314,7 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Free seq's blocks and forget it: its last Output carries what a caller needs."""
-        self.scheduler.finish(seq, reason, error)
+        self.scheduler.finish(seq, reason, error)  # frees its blocks; its last Output says what a caller needs
         del self.sequences[seq.id]
         self.finish_reasons[reason] += 1
 
@@ -291,6 +332,7 @@ class EngineCore:
         batches += [(decoding, [[seq.pending] for seq in decoding])] if decoding else []  # one token each
         for seqs, new_ids in batches:
             logits = forward_batch(self.model, self.cache, self.manager, seqs, new_ids, self.sink_slot)  # (B, V)
+            seqs, logits = fork_choices(self.manager, self.scheduler.running, seqs, logits)  # n > 1: choices join
             for out in sample_batch(seqs, logits):
                 if out.finished:
                     self._finish(self.sequences[out.request_id], out.finish_reason, out.error)
@@ -302,20 +344,22 @@ class Engine(EngineCore):
     """A model, a paged KV cache and a scheduler: add_request, step, abort, generate."""
 
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                    stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> int:
+                    stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1) -> int:
         """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
-        return self.submit(self.make_request(prompt_ids, params, max_new_tokens, stop, eos_token_ids))
+        return self.submit(self.make_request(prompt_ids, params, max_new_tokens, stop, eos_token_ids, n))
 
     def make_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None) -> Sequence:
-        """A checked request, not yet queued: touches no engine state, so any thread may call it."""
-        prompt_ids, params, text = check_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
-                                                 prompt_ids, params, max_new_tokens, stop, eos_token_ids)
-        return Sequence(next(self._ids), prompt_ids, params, text, make_generator(params.seed, self.device))
+                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1) -> Sequence:
+        """A checked request of n choices, not yet queued: touches no engine state, so any thread may call it."""
+        def choice(params: SamplingParams | None) -> Sequence:
+            ids, params, text = check_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
+                                              prompt_ids, params, max_new_tokens, stop, eos_token_ids)
+            return Sequence(next(self._ids), ids, params, text, make_generator(params.seed, self.device))
+        return with_forks([choice(p) for p in choice_params(params, n)])
 
     def submit(self, seq: Sequence) -> int:
-        """Queue a request made by make_request; returns its id."""
-        self.sequences[seq.id] = seq
+        """Queue a request made by make_request (its forks join after its prefill); returns its id."""
+        self.sequences.update((s.id, s) for s in (seq, *seq.forks))
         self.scheduler.add(seq)
         return seq.id
 
@@ -328,9 +372,8 @@ class Engine(EngineCore):
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  max_new_tokens: int | Seq[int] = 256, **kwargs) -> list[dict]:
         """Run many requests to the end; per request: token_ids, text, finish_reason (and error)."""
-        n = len(prompts)
-        params = params if isinstance(params, (list, tuple)) else [params] * n
-        limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+        params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
         ids = [self.add_request(p, q, m, **kwargs) for p, q, m in zip(prompts, params, limits)]
         results = {i: {"token_ids": [], "text": "", "finish_reason": None, "error": None} for i in ids}
         while self.has_unfinished():

@@ -9,6 +9,7 @@ fields and their ranges); the server (minillm/server.py) runs what passes.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -21,21 +22,22 @@ from minillm.engine import Output
 from minillm.generate import check_prompt
 from minillm.sampling import SamplingParams
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):
-    """An error answered as OpenAI error JSON with this HTTP status."""
+    """An error answered as OpenAI error JSON with this HTTP status (and headers, e.g. Retry-After)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def response(self) -> JSONResponse:
         body = {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
                 "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
 def token_logprobs(tok, out: Output) -> dict:
@@ -55,7 +57,7 @@ class Reply:
     """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
 
     def __init__(self, chat: bool, model_name: str, prompt_tokens: int):
-        self.chat, self.prompt_tokens = chat, prompt_tokens
+        self.chat, self.prompt_tokens, self.index = chat, prompt_tokens, 0
         self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
@@ -64,18 +66,38 @@ class Reply:
     def usage(self, n: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
 
+    def at(self, index: int) -> Reply:
+        """The same answer seen from choice `index` (n > 1): its choices and chunks carry that index."""
+        other = copy.copy(self)
+        other.index = index
+        return other
+
     def choice(self, text: str, finish, logprobs=None, delta: bool = False) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish}
         message = {"content": text} if delta else {"role": "assistant", "content": text}
         lp = {"content": logprobs} if logprobs is not None else None
-        return {"index": 0, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
+        return {"index": self.index, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
 
-    def whole(self, text: str, finish: str, logprobs, n: int) -> dict:
-        return {**self.head, "choices": [self.choice(text, finish, logprobs)], "usage": self.usage(n)}
+    def opening(self) -> str:
+        """A chat stream's first chunk for this choice: the role, no text yet."""
+        return self.chunk([{**self.choice("", None, delta=True), "delta": {"role": "assistant", "content": ""}}])
+
+    def whole(self, choices: list[dict], n: int) -> dict:
+        """The whole answer: its choices (from `at(i).choice`) and the usage of n generated tokens."""
+        return {**self.head, "choices": choices, "usage": self.usage(n)}
 
     def chunk(self, choices: list, **extra) -> str:
         return sse({**self.head, "object": self.chunk_object, "choices": choices, **extra})
+
+
+def best_choices(logprobs: list[list[dict]], n: int) -> list[int]:
+    """best_of: which n of the generated choices to return, those of the highest mean logprob per token
+    (OpenAI's rule), best first; with no more choices than n, all of them in order."""
+    if len(logprobs) <= n:
+        return list(range(len(logprobs)))
+    mean = [sum(t["logprob"] for t in lp) / len(lp) if lp else float("-inf") for lp in logprobs]
+    return sorted(range(len(logprobs)), key=lambda i: -mean[i])[:n]
 
 
 def output_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[str]:
@@ -171,6 +193,28 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
+MAX_CHOICES = 16  # n and best_of: at most this many choices in one request
+
+
+def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
+    """(n, best_of): n choices returned of best_of generated, 1 <= n <= best_of <= MAX_CHOICES;
+    best_of on /v1/completions only, and not streamed (the best are known only at the end)."""
+    n = body.get("n") if body.get("n") is not None else 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
+    best_of = body.get("best_of")
+    if best_of is None:
+        return n, n
+    if chat:
+        raise APIError(400, "best_of is supported on /v1/completions only", "best_of")
+    if not isinstance(best_of, int) or isinstance(best_of, bool) or not n <= best_of <= MAX_CHOICES:
+        raise APIError(400, f"best_of must be an integer in [n, {MAX_CHOICES}] = [{n}, {MAX_CHOICES}], "
+                       f"got {best_of!r}", "best_of")
+    if stream and best_of > n:
+        raise APIError(400, "best_of > n cannot be streamed: the best choices are known only at the end", "best_of")
+    return n, best_of
+
+
 def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
                   chat: bool = True) -> dict:
     """Check the request against the context, OpenAI's ranges and SamplingParams; the engine's
@@ -178,8 +222,8 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     if body.get("model", model_name) != model_name:
         raise APIError(404, f"the model {body.get('model')!r} does not exist; this server has {model_name!r}",
                        "model", "model_not_found")
-    if body.get("n", 1) not in (1, None):
-        raise APIError(400, f"n must be 1 (one choice per request), got {body.get('n')!r}", "n")
+    stream = _flag(body, "stream")
+    n, best_of = _choices(body, chat, stream)
     try:  # the prompt rule of every entry point (generate.check_prompt); max_tokens is checked below
         check_prompt(prompt_ids, 1, context, vocab_size)
     except ValueError as exc:
@@ -214,8 +258,11 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     except (ValueError, TypeError) as exc:
         field = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), field if field in SAMPLING_FIELDS else None) from None
+    if params.seed is not None and params.seed + best_of > 2**64:  # choice i samples with seed + i
+        raise APIError(400, f"seed + best_of - 1 must be below 2**64 (choice i samples with seed + i), got seed "
+                       f"{params.seed} and {best_of} choices", "seed")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
-    return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": _flag(body, "stream"),
-            "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs}
+    return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": stream, "n": n,
+            "best_of": best_of, "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs}

@@ -5,10 +5,13 @@
 Built in notebooks/14_server.ipynb. One background thread owns the Engine (notebook 12) and steps
 it while any request is unfinished; each request gets an asyncio.Queue of its Outputs, handed over
 with loop.call_soon_threadsafe, so concurrent requests share forward passes. A client that hangs
-up mid-stream aborts its request, which frees its KV blocks.
+up mid-stream aborts its request, which frees its KV blocks. A request for n choices is one engine
+request: its prompt is prefilled once and the choices share its blocks.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (stream: server-sent events ending in
-`data: [DONE]`), GET /v1/models, GET /health. Errors: {"error": {"message", "type", "param", "code"}}.
+`data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus). Errors: {"error": {"message",
+"type", "param", "code"}}. Around them (minillm/server_ops.py): API keys, per-key limits, a JSON access
+log, request timeouts (finish_reason "length") and a graceful shutdown (finish_reason "shutdown").
 
 References: the OpenAI API reference (chat completions, completions, streaming, error codes);
 vLLM's OpenAI-compatible API server (the queue-per-request bridge over one engine loop).
@@ -23,7 +26,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,9 +35,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.api import LLM
 from minillm.engine import Engine, Output
-from minillm.openai_protocol import (APIError, Reply, output_events, parse_request, read_json, read_prompt, sse,
-                                      token_logprobs)
+from minillm.openai_protocol import (APIError, Reply, best_choices, output_events, parse_request, read_json,
+                                      read_prompt, sse, token_logprobs)
 from minillm.sampling import SamplingParams
+from minillm.server_ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
+                                check_seconds, configure_access_log)
 
 
 def apply_commands(engine: Engine, commands: queue.SimpleQueue) -> None:
@@ -112,29 +117,50 @@ class EngineThread:
 
 
 class AsyncEngine(EngineThread):
-    """One Engine stepped by one thread; each request receives its Outputs on an asyncio.Queue.
+    """One Engine stepped by one thread; each request receives its Outputs on an asyncio.Queue. The event
+    loop never waits for the engine: `add`, `abort` and `end` post commands, which the engine thread
+    applies between steps, so /health and every other request stay responsive during a long step."""
 
-    The event loop never waits for the engine: `add` checks the request (Engine.make_request
-    touches no engine state) and posts it, `abort` posts the id, and the engine thread applies
-    both between steps. A step can take seconds (a long prefill); /health and every other
-    request stay responsive meanwhile."""
+    request_timeout: float | None = None  # seconds from add to the end of a request; None: no limit
+    closed = False  # set by end_all: the server is shutting down, add refuses (503)
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-            stop: list[str]) -> tuple[int, asyncio.Queue]:
-        """Queue a request (call from the event loop); returns its id and the queue its Outputs arrive on.
-        A bad request raises ValueError here, before anything is queued."""
-        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop)
+    def add(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stop: list[str],
+            n: int = 1) -> tuple[list[int], asyncio.Queue]:
+        """Queue a request for n choices (call from the event loop): their ids, the queue of their Outputs."""
+        if self.closed:
+            raise APIError(503, "the server is shutting down", None, "shutting_down")
+        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, n=n)  # bad: ValueError, nothing queued
+        rids = [seq.id] + [fork.id for fork in seq.forks]
         outputs: asyncio.Queue = asyncio.Queue()
-        self.queues[seq.id] = (asyncio.get_running_loop(), outputs)
+        loop = asyncio.get_running_loop()
+        self.queues.update((rid, (loop, outputs)) for rid in rids)
         self.commands.put(("add", seq))
         self.wake.set()
-        return seq.id, outputs
+        if self.request_timeout is not None:  # a request still running then ends as if max_tokens were reached
+            loop.call_later(self.request_timeout, self.end, rids, "length")
+        return rids, outputs
 
-    def abort(self, rid: int) -> None:
-        """The client left: stop the request at the next step boundary and free its blocks."""
-        self.queues.pop(rid, None)
-        self.commands.put(("abort", rid))
+    def abort(self, rids: list[int]) -> None:
+        """The client left: stop these requests at the next step boundary and free their blocks."""
+        for rid in rids:
+            self.queues.pop(rid, None)
+            self.commands.put(("abort", rid))
         self.wake.set()
+
+    def end(self, rids: list[int], reason: str) -> None:
+        """End these requests now (call from the event loop): each unfinished one gets a last Output with
+        `reason` and is aborted at the next step boundary. A finished one is left alone."""
+        for rid in rids:
+            target = self.queues.pop(rid, None)  # None: finished, its last Output is on its way
+            if target is not None:
+                target[0].call_soon_threadsafe(target[1].put_nowait, Output(rid, None, "", True, reason))
+                self.commands.put(("abort", rid))
+        self.wake.set()
+
+    def end_all(self, reason: str) -> None:
+        """Shutdown: refuse new requests from now on, and end every request in flight with `reason`."""
+        self.closed = True
+        self.end(list(self.queues), reason)
 
 
 async def _next_output(queue: asyncio.Queue) -> Output:
@@ -145,64 +171,71 @@ async def _next_output(queue: asyncio.Queue) -> Output:
 
 
 async def collect_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dict, reply: Reply,
-                         request: Request) -> dict:
-    """The whole answer as one JSON object. A client that hangs up is noticed within half a second
-    (nothing is written to it until the end, so only asking tells) and its request is aborted."""
-    rid, outputs = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"])
-    texts, lps, out = [], [], None
+                         request: Request, record: RequestRecord) -> dict:
+    """The whole answer as one JSON object: its n choices (the n best of best_of). A client that hangs
+    up is noticed within half a second (nothing is written to it until the end, so only asking tells)
+    and its request is aborted."""
+    rids, outputs = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["best_of"])
+    index = {rid: i for i, rid in enumerate(rids)}
+    texts, lps, finish = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
     asked = time.monotonic()
     try:
-        while out is None or not out.finished:
+        while None in finish:
             try:
                 out = await asyncio.wait_for(_next_output(outputs), timeout=0.5)
-                texts.append(out.text)
+                i = index[out.request_id]
+                record.output(i, out)
+                texts[i].append(out.text)
                 if out.token_id is not None:
-                    lps.append(token_logprobs(tokenizer, out))
+                    lps[i].append(token_logprobs(tokenizer, out))
+                finish[i] = out.finish_reason if out.finished else None
             except asyncio.TimeoutError:
                 pass
-            if time.monotonic() - asked > 0.5 and (out is None or not out.finished):
+            if time.monotonic() - asked > 0.5 and None in finish:
                 asked = time.monotonic()
                 if await request.is_disconnected():
                     raise APIError(499, "the client closed the connection", None, "client_closed")
-    finally:  # cancelled or hung up before the end: abort frees its blocks
-        if out is None or not out.finished:
-            engine.abort(rid)
-    return reply.whole("".join(texts), out.finish_reason, lps if req["logprobs"] else None, len(lps))
+    finally:  # cancelled or hung up before the end: abort frees the blocks of every unfinished choice
+        if None in finish:
+            engine.abort([rid for rid, reason in zip(rids, finish) if reason is None])
+    choices = [reply.at(k).choice("".join(texts[i]), finish[i], lps[i] if req["logprobs"] else None)
+               for k, i in enumerate(best_choices(lps, req["n"]))]
+    return reply.whole(choices, sum(map(len, lps)))
 
 
 async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dict, reply: Reply,
-                        release: Callable[[], None]):
-    """SSE events: a chunk per piece of text, the finish, optionally usage, then [DONE].
+                        record: RequestRecord):
+    """SSE events: for each choice a chunk per piece of text and its finish; optionally usage; [DONE].
 
     The request starts with the stream: a client gone before it never reaches the engine.
-    `release` ends the request's in-flight count, whichever way the stream ends."""
+    `record.end` ends the request (its in-flight count and limits), whichever way the stream ends."""
+    pending, status, n = set(), 499, 0  # 499 (client closed) unless the stream reaches its end
     try:
-        rid, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"])
-    except BaseException:
-        release()
-        raise
-    out = None
-    try:
-        if reply.chat:
-            yield reply.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}])
-        n = 0
-        while out is None or not out.finished:
+        rids, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["n"])
+        pending, replies = set(rids), {rid: reply.at(i) for i, rid in enumerate(rids)}
+        for one in replies.values() if reply.chat else ():
+            yield one.opening()
+        while pending:
             out = await _next_output(queue)
+            reply = replies[out.request_id]  # this choice's view: its chunks carry its index
+            record.output(reply.index, out)
             n += out.token_id is not None
             for event in output_events(out, reply, tokenizer, req["logprobs"]):
                 yield event
+            if out.finished:
+                pending.discard(out.request_id)
         if req["include_usage"]:
             yield reply.chunk([], usage=reply.usage(n))
         yield sse("[DONE]")
-    except APIError as exc:  # the engine failed it mid-stream: an error event, then the end
-        out = None
+        status = 200
+    except APIError as exc:  # the engine failed it mid-stream, or the server closed: an error event, the end
+        status = exc.status
         yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
         yield sse("[DONE]")
-    finally:  # the client hung up (cancelled or closed at a yield): abort frees its blocks
-        release()
-        if out is None or not out.finished:
-            engine.abort(rid)
+    finally:  # the client hung up (cancelled or closed at a yield): abort frees the blocks
+        record.end(status)
+        if pending:
+            engine.abort(list(pending))
 
 
 class InFlight:
@@ -220,7 +253,8 @@ class InFlight:
     def enter(self) -> Callable[[], None]:
         with self.lock:
             if self.count >= self.limit:
-                raise APIError(429, f"{self.limit} requests are in flight; retry later", None, "too_many_requests")
+                raise APIError(429, f"{self.limit} requests are in flight; retry later", None, "too_many_requests",
+                               {"Retry-After": "1"})
             self.count += 1
         released = []
 
@@ -232,8 +266,20 @@ class InFlight:
         return release
 
 
-async def on_api_error(request, exc: APIError):
-    return exc.response()
+def as_api_error(exc: Exception) -> APIError:
+    """What the client gets: our APIError as it is, a refusal by the gate (server_ops) with its status,
+    the engine's own check of a request (ValueError) as a 400, anything else (a bug) as a 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, Refusal):
+        return APIError(exc.status, exc.message, None, exc.code, exc.headers)
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+
+
+async def on_api_error(request, exc: APIError | Refusal):
+    return as_api_error(exc).response()
 
 
 async def on_http_error(request, exc):  # unknown paths, wrong methods
@@ -245,39 +291,42 @@ async def on_unexpected_error(request, exc):  # a bug outside the completions: s
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every failure answers with OpenAI's error JSON: our APIErrors, the framework's 404 and 405, and bugs."""
+    """Every failure answers with OpenAI's error JSON: our APIErrors and the gate's refusals, the
+    framework's 404 and 405, and bugs."""
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Refusal, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)
 
 
-def completion_handler(llm: LLM, engine: AsyncEngine, in_flight: InFlight, context: int, model_name: str,
+def completion_handler(llm: LLM, engine: AsyncEngine, gate: Gate, context: int, model_name: str,
                        max_body_bytes: int):
     """The body of both completion endpoints: admit, read, check, then answer whole or as a stream."""
 
     async def complete(request: Request, chat: bool):
-        release = in_flight.enter()  # counted from here: a burst cannot pass the check together
+        record = gate.admit(request)  # 503, 401, 429: counted from here, a burst cannot pass together
         streaming = False
         try:
             body = await read_json(request, max_body_bytes)
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
             req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat)
             reply = Reply(chat, model_name, len(ids))
+            record.begin(reply.head["id"], len(ids))
             if not req["stream"]:
-                return await collect_answer(engine, llm.tokenizer, ids, req, reply, request)
-            events = stream_answer(engine, llm.tokenizer, ids, req, reply, release)
-            weakref.finalize(events, release)  # a stream never started (the client left first) releases too
+                answer = await collect_answer(engine, llm.tokenizer, ids, req, reply, request, record)
+                record.status = 200
+                return answer
+            events = stream_answer(engine, llm.tokenizer, ids, req, reply, record)
+            weakref.finalize(events, record.end)  # a stream never started (the client left first) ends too
             streaming = True
             return StreamingResponse(events, media_type="text/event-stream")
-        except APIError:
-            raise
-        except ValueError as exc:  # the engine's own check of the request (e.g. an id outside the model)
-            raise APIError(400, str(exc)) from None
-        except Exception as exc:  # a bug: answered here, the connection stays up (on_unexpected_error would close it)
-            raise APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error") from None
+        except Exception as exc:
+            error = as_api_error(exc)
+            record.status = error.status
+            raise error from None
         finally:
-            if not streaming:  # a stream releases when it ends
-                release()
+            if not streaming:  # a stream ends its record when it ends
+                record.end()
 
     return complete
 
@@ -288,19 +337,27 @@ def model_list(model_name: str, context: int) -> dict:
                                         "owned_by": "minillm", "max_model_len": context}]}
 
 
-def health_report(engine: AsyncEngine, in_flight: InFlight) -> dict:
+def health_report(engine: AsyncEngine, gate: Gate) -> dict:
     """The body of GET /health: the scheduler's queues, the free KV blocks, the requests in flight."""
     sched = engine.engine.scheduler
-    return {"status": "ok", "running": len(sched.running), "waiting": len(sched.waiting),
-            "free_blocks": engine.engine.manager.num_free_blocks, "in_flight": in_flight.count}
+    return {"status": "draining" if gate.draining else "ok", "running": len(sched.running),
+            "waiting": len(sched.waiting), "free_blocks": engine.engine.manager.num_free_blocks,
+            "in_flight": gate.in_flight.count}
 
 
 def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, block_size: int = 16,
-               max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20) -> FastAPI:
+               max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20,
+               api_keys: Iterable[str] = (), max_concurrent_per_key: int | None = None,
+               tokens_per_minute: int | None = None, request_timeout: float | None = None,
+               shutdown_grace: float = 20.0) -> FastAPI:
     """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine."""
-    in_flight = InFlight(max_in_flight)
     engine = AsyncEngine(Engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs))
+    engine.request_timeout = check_seconds("request_timeout", request_timeout, none_ok=True)
+    grace = check_seconds("shutdown_grace", shutdown_grace)
     context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)
+    in_flight = InFlight(max_in_flight)
+    metrics = Metrics(engine.engine, in_flight)
+    gate = Gate(APIKeys(api_keys), KeyLimits(max_concurrent_per_key, tokens_per_minute), in_flight, metrics)
 
     async def lifespan(app):
         engine.start()
@@ -308,9 +365,10 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
         engine.stop()
 
     app = FastAPI(title="minillm", lifespan=lifespan)
-    app.state.engine, app.state.context = engine, context
+    app.state.engine, app.state.context, app.state.gate = engine, context, gate
+    app.state.drain = lambda: drain(engine, gate, grace)
     add_error_handlers(app)
-    complete = completion_handler(llm, engine, in_flight, context, model_name, max_body_bytes)
+    complete = completion_handler(llm, engine, gate, context, model_name, max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -321,25 +379,46 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
         return await complete(request, chat=False)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        gate.admit(request, limited=False).end(200)  # a key is needed here too
         return model_list(model_name, context)
 
     @app.get("/health")
-    async def health():
-        return health_report(engine, in_flight)
+    async def health():  # open without a key: for load balancers
+        return health_report(engine, gate)
+
+    @app.get("/metrics")
+    async def prometheus():  # open without a key: for Prometheus (bind 127.0.0.1, or firewall it)
+        return metrics.response()
 
     return app
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **app_kwargs) -> None:
-    """Run the server until Ctrl-C (127.0.0.1 by default: reachable from this machine only)."""
-    uvicorn.run(create_app(llm, **app_kwargs), host=host, port=port, log_level="info")
+async def drain(engine: AsyncEngine, gate: Gate, grace: float) -> None:
+    """Graceful shutdown: new requests get 503; those in flight have `grace` seconds to finish; then
+    each one still running ends with finish_reason "shutdown", after the text it has so far."""
+    gate.draining = True
+    deadline = time.monotonic() + grace
+    while gate.in_flight.count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    engine.end_all("shutdown")
+
+
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str | None = "-", **app_kwargs) -> None:
+    """Run the server (127.0.0.1 by default: reachable from this machine only) until SIGTERM or Ctrl-C,
+    then drain it (create_app's shutdown_grace) and return. access_log: "-" (stderr), a file, or None."""
+    configure_access_log(access_log)
+    app = create_app(llm, **app_kwargs)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=10)  # after the drain: for a client that never reads
+    GracefulServer(config, app.state.drain).run()
 
 
 class BackgroundServer:
     """The app served by uvicorn in a daemon thread of this process (for notebooks, tests, load tests).
 
-    port 0 asks the operating system for a free port; `url` is the address the server got.
+    port 0 asks the operating system for a free port; `url` is the address the server got. `stop`
+    shuts down as a signal would: stop accepting, drain, end.
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
@@ -348,7 +427,8 @@ class BackgroundServer:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+        self.server = GracefulServer(config, app.state.drain)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + timeout
@@ -357,6 +437,6 @@ class BackgroundServer:
                 raise RuntimeError(f"server at {self.url} did not start within {timeout} s")
             time.sleep(0.02)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 120.0) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=timeout)

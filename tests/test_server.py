@@ -160,7 +160,8 @@ BAD = {
     "beyond context": ({"model": MODEL, "messages": messages("hi"), "max_tokens": 2040}, 400, "max_tokens"),
     "temperature": ({"model": MODEL, "messages": messages("hi"), "temperature": -0.5}, 400, "temperature"),
     "top_p": ({"model": MODEL, "messages": messages("hi"), "top_p": 1.5}, 400, "top_p"),
-    "n": ({"model": MODEL, "messages": messages("hi"), "n": 2}, 400, "n"),
+    "n": ({"model": MODEL, "messages": messages("hi"), "n": 17}, 400, "n"),
+    "best_of on chat": ({"model": MODEL, "messages": messages("hi"), "best_of": 2}, 400, "best_of"),
     "body size": (json.dumps({"model": MODEL, "messages": messages("a" * (1 << 20))}).encode(), 413, None),
     "empty prompt": (None, 400, "prompt"),
 }

@@ -19,6 +19,7 @@ from minillm.api import LLM, load
 from minillm.engine import Engine
 from minillm.sampling import SamplingParams
 from minillm.server import BackgroundServer, create_app
+from live_server import slow_steps, wait_until
 
 MODEL = "smollm2"
 HI = [{"role": "user", "content": "hi"}]
@@ -43,26 +44,6 @@ def live(llm, request):
 def chat(client, **body):
     return client.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2,
                                                      "temperature": 0, **body})
-
-
-def slow_steps(app, monkeypatch, seconds: float):
-    engine = app.state.engine.engine
-    step = engine.step
-
-    def slow():
-        time.sleep(seconds)
-        return step()
-
-    monkeypatch.setattr(engine, "step", slow)
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # ---------------------------------------------------------------- 1. the in-flight count
