@@ -7,6 +7,7 @@
     python -m minillm serve --api-key-file keys.txt --tokens-per-minute 20000 --request-timeout 120
     python -m minillm generate "Hi" --quantize int4 --group-size 32   # int4 weights (notebook 13)
     python -m minillm generate "Hi" --fast --quantize int4            # the fast path (notebook 15)
+    python -m minillm generate "Hi" --speculative int4 --num-draft 4  # speculative decoding (notebook 17)
 
 The default model is the embedded SmolLM2-135M-Instruct GGUF (offline); --model takes a hub
 id, a model folder or a .gguf file.
@@ -27,6 +28,8 @@ from minillm.gguf_file import read_gguf
 from minillm.sampling import SamplingParams
 from minillm.server import serve
 from minillm.server_ops import read_keys
+from minillm.speculative import SpeculationStats
+from minillm.speculative import stream as speculative_stream
 
 
 def gguf_summary(path: Path) -> dict:
@@ -106,12 +109,32 @@ def _messages(args, text: str) -> list[dict]:
     return ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
 
 
-def _print_stream(llm, prompt_ids, args, params) -> tuple[str, object]:
+def _check_speculative(args) -> None:
+    """--num-draft needs --speculative; checked before the model loads."""
+    if args.num_draft is not None and args.speculative is None:
+        raise ValueError("--num-draft applies to --speculative")
+    if args.num_draft is not None and args.num_draft < 1:
+        raise ValueError(f"--num-draft must be >= 1, got {args.num_draft}")
+
+
+def _drafter(llm, args):
+    """The drafter of --speculative (built once per session): int4, ngram, or a draft model to load."""
+    if args.speculative is None:
+        return None
+    if args.speculative in ("int4", "ngram"):
+        return llm.drafter(args.speculative)
+    return llm.drafter(load(args.speculative, dtype=args.dtype, device=args.device))
+
+
+def _print_stream(llm, prompt_ids, args, params, drafter=None) -> tuple[str, object]:
     """Stream one answer to stdout; Ctrl-C stops it cleanly. Returns (text, metrics or None)."""
-    pieces, metrics = [], None
+    pieces, metrics, stats = [], None, SpeculationStats()
+    limits = dict(params=params, max_new_tokens=args.max_new_tokens, stop=args.stop)
+    steps = (stream(llm.model, llm.tokenizer, prompt_ids, **limits) if drafter is None else
+             speculative_stream(llm.model, llm.tokenizer, prompt_ids, drafter, num_draft=args.num_draft or 4,
+                                stats=stats, **limits))
     try:
-        for step in stream(llm.model, llm.tokenizer, prompt_ids, params=params,
-                           max_new_tokens=args.max_new_tokens, stop=args.stop):
+        for step in steps:
             print(step.text, end="", flush=True)
             pieces.append(step.text)
             metrics = step.metrics
@@ -119,24 +142,27 @@ def _print_stream(llm, prompt_ids, args, params) -> tuple[str, object]:
         print(" [interrupted]", end="")
     print()
     if args.stats and metrics is not None:
-        print(f"[{metrics}]", file=sys.stderr)
+        print(f"[{metrics}]" + (f" [speculative: {stats}]" if drafter is not None else ""), file=sys.stderr)
     return "".join(pieces), metrics
 
 
 def cmd_generate(args) -> int:
     params = _params(args)  # bad flags fail before the model loads
+    _check_speculative(args)
     llm = _load(args)
     if args.raw or not llm.tokenizer.chat_template:
         ids = llm.tokenizer.encode(args.prompt)
     else:
         ids = llm.encode_chat(_messages(args, args.prompt))
-    _print_stream(llm, ids, args, params)
+    _print_stream(llm, ids, args, params, _drafter(llm, args))
     return 0
 
 
 def cmd_chat(args) -> int:
     params = _params(args)
+    _check_speculative(args)
     llm = _load(args)
+    drafter = _drafter(llm, args)
     print(f"minillm chat with {args.model or 'the embedded SmolLM2-135M-Instruct'} "
           "(/reset starts over, /exit or Ctrl-D quits)")
     history = [{"role": "system", "content": args.system}] if args.system else []
@@ -158,7 +184,7 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         print("assistant> ", end="", flush=True)
         try:
-            answer, _ = _print_stream(llm, llm.encode_chat(history), args, params)
+            answer, _ = _print_stream(llm, llm.encode_chat(history), args, params, drafter)
         except ValueError as exc:  # e.g. the conversation outgrew the context: say so, keep the session
             print(f"minillm: error: {exc} (use /reset)", file=sys.stderr)
             history.pop()
@@ -230,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, help="makes sampling reproducible")
         p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         p.add_argument("--stats", action="store_true", help="print the metrics after each answer")
+        p.add_argument("--speculative", metavar="DRAFTER",
+                       help="speculative decoding (notebook 17), the same answer in fewer forwards: int4 (the "
+                            "model's own int4 fast path drafts), ngram (prompt lookup), or a draft model with the "
+                            "same tokenizer (hub id, folder or .gguf)")
+        p.add_argument("--num-draft", type=int, metavar="N", help="tokens drafted per round, at most (default: 4)")
     return parser
 
 

@@ -11,6 +11,7 @@ greedy decoding, end-of-sequence disabled, and the same thread count.
     python -m minillm.bench prefill --prompt-lengths 128 1024
     python -m minillm.bench ceiling               # matrix-vector ceilings only
     python -m minillm.bench engine --requests 16 64
+    python -m minillm.bench speculative             # int4 self-drafting and prompt lookup
     python -m minillm.bench --model Qwen/Qwen2.5-0.5B-Instruct --threads 2 --json --out bench.json
 
 Variants (minillm side): readable (CausalLM), fast (FastCausalLM), readable-int8/-int4
@@ -34,19 +35,23 @@ How things are measured:
   given as a fraction of its ceiling (dtype variants: the dtype's, int8: int8's, int4: int4's).
 - engine: the continuous-batching engine (readable and fast) against transformers' left-padded
   batch generate, useful generated tokens/s at each --requests count.
+- speculative: minillm/bench_speculative.py (its docstring): plain greedy decoding, the int4 drafter
+  and prompt lookup on an open question and a copy-edit task, against transformers' greedy generate
+  and its prompt lookup; acceptance, tokens per forward and equality with plain decoding.
 
 JSON schema (--json prints it, --out FILE writes it too):
     {"machine": {"cpu", "cores", "platform"}, "model", "dtype", "threads", "torch", "transformers",
      "args": {...the flags...}, "skipped": {variant: reason},
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
-     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine" (rows in this order),
+     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"speculative" (in this order),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
                "metric": "load time", "build time", "time to first token", "prefill",
                          "decode", "greedy agreement", "weight memory", "transformers footprint",
-                         "peak RSS", "matvec", "engine",
+                         "peak RSS", "matvec", "engine", and the speculative section's "<task> decode",
+                         "<task> vs plain", "<task> accepted", "<task> tokens/forward", "<task> equal to plain",
                "n": prompt tokens (prefill), tokens (decode, agreement), requests (engine), else null,
-               "unit": "s" | "ms" | "tok/s" | "tokens" | "MiB",
+               "unit": "s" | "ms" | "tok/s" | "tokens" | "MiB" | "x" | "%",
                "minillm", "transformers": numbers or null,
                "ratio": minillm/transformers for tok/s and tokens, transformers/minillm for
                         s, ms and MiB -- so ratio > 1 always means minillm is better; null if a side is missing,
@@ -72,6 +77,7 @@ from torch import nn
 
 from minillm.api import load_tokenizer
 from minillm.bench_engine import engine_rows
+from minillm.bench_speculative import speculative_rows
 from minillm.devices import peak_memory_mib
 from minillm.embedded import embedded_gguf_path
 from minillm.fast import FastCausalLM
@@ -84,7 +90,7 @@ from minillm.weights import load_model
 DATA = Path(__file__).resolve().parent.parent / "data"
 VARIANTS = ("readable", "fast", "readable-int8", "readable-int4", "fast-int8", "fast-int4")
 COMPILED = ("fast-compiled", "fast-int4-compiled")
-SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine")
+SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "speculative")
 LOWER_IS_BETTER = {"s", "ms", "MiB"}
 
 
@@ -279,6 +285,8 @@ def run_benchmark(args) -> dict:
             gc.collect()
     if what in ("all", "engine"):
         engine_rows(sides, args, row)
+    if what in ("all", "speculative"):
+        speculative_rows(sides, args, row, skipped)
     row("memory", "process", "peak RSS", "MiB", peak_memory_mib(torch.device("cpu")))
     rows.sort(key=lambda r: SECTIONS.index(r["section"]))  # stable: each section's rows keep their order
     return {"machine": machine(), "model": sides.name, "dtype": str(dtype).removeprefix("torch."),
@@ -318,12 +326,12 @@ def render_table(result: dict) -> str:
     lines = [f"{result['model']}, {result['dtype']}, {result['threads']} threads, torch {result['torch']}, "
              f"transformers {result['transformers']}, CPU {m['cpu']} ({m['cores']} cores)",
              "ratio > 1: minillm better (minillm/transformers for tok/s, transformers/minillm for s, ms, MiB)",
-             f"{'section':<8} {'variant':<19} {'metric':<24} {'n':>5} {'unit':<6} {'minillm':>9} "
+             f"{'section':<11} {'variant':<19} {'metric':<26} {'n':>5} {'unit':<6} {'minillm':>9} "
              f"{'transformers':>12} {'ratio':>7} {'of ceiling':>10}"]
     for r in result["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         frac = "-" if r["ceiling_fraction"] is None else f"{r['ceiling_fraction']:.0%}"
-        lines.append(f"{r['section']:<8} {r['variant']:<19} {r['metric']:<24} {r['n'] or '':>5} {r['unit']:<6} "
+        lines.append(f"{r['section']:<11} {r['variant']:<19} {r['metric']:<26} {r['n'] or '':>5} {r['unit']:<6} "
                      f"{fmt(r['minillm']):>9} {fmt(r['transformers']):>12} {ratio:>7} {frac:>10}")
     lines += [f"{variant}: {reason}" for variant, reason in result["skipped"].items()]
     return "\n".join(lines)
@@ -376,7 +384,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="what")
     helps = {"all": "every section (the default)", "decode": "batch-1 decode and its ceiling fraction",
              "prefill": "prefill tok/s and time to first token", "ceiling": "matrix-vector ceilings only",
-             "engine": "continuous batching vs transformers' padded batch generate"}
+             "engine": "continuous batching vs transformers' padded batch generate",
+             "speculative": "speculative decoding (int4 drafter, prompt lookup) vs plain greedy decoding"}
     for name, text in helps.items():
         add_common(sub.add_parser(name, help=text, description=text), suppress=True)
     args = parser.parse_args(argv)

@@ -1,21 +1,19 @@
+# Generated from notebooks/17_speculative.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
 """Speculative decoding: a cheap drafter proposes k tokens, the model checks them in one forward.
 
-A decode step of a small model on a CPU is bound by reading the weights, so a forward over k + 1
-positions costs about as much as over one. A drafter guesses the next k tokens; the model runs
-once over the last token and the k guesses and, for each position, says what it would have
-chosen. Greedy: the guesses that equal the model's argmax are kept, then the model's own token
-at the first miss (or after the last guess), so the text is exactly plain greedy decoding's.
-Sampling: guess x, drawn from the drafter's q, is kept with probability min(1, p(x) / q(x)); at
-the first rejection the token is drawn from the normalised (p - q)+, which makes every token
-distributed exactly as p, the model's own distribution (Leviathan, Kalman and Matias 2023, "Fast
-Inference from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large
-Language Model Decoding with Speculative Sampling").
+Built in notebooks/17_speculative.ipynb. A decode step of a small model on a CPU is bound by
+reading the weights, so a forward over k + 1 positions costs about as much as over one. Greedy:
+the drafts equal to the model's argmax are kept, then the model's own token, so the text is
+exactly plain greedy decoding's. Sampling: draft x, drawn from the drafter's q, is kept with
+probability min(1, p(x) / q(x)); at the first rejection the token is drawn from the normalised
+(p - q)+, which makes every token distributed exactly as p (Leviathan, Kalman and Matias 2023,
+"Fast Inference from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating
+Large Language Model Decoding with Speculative Sampling").
 
-Drafters: `NgramDrafter` (prompt lookup: the continuation of the latest earlier occurrence of the
-last few tokens, no model at all), `ModelDrafter` (any model with the same vocabulary: a smaller
-one, or `int4_drafter(model)`, the model's own int4 fast path). The KV cache is positional, so
-rolling back rejected positions is free: the next forward writes over them, and attention reads
-only the positions before start_pos + T.
+Drafters: `NgramDrafter` (prompt lookup), `ModelDrafter` (any model with the same vocabulary),
+`int4_drafter(model)` (the model's own int4 fast path). The KV cache is positional, so rolling
+back rejected positions is free: the next forward writes over them.
 
 Shape legend: k draft tokens, V vocabulary.
 """
@@ -32,33 +30,6 @@ from minillm.fast import FastCausalLM
 from minillm.generate import Step, TextStream, _metrics, check_prompt
 from minillm.kv_cache import make_cache
 from minillm.sampling import SamplingParams, make_generator, process_logits, sample
-
-
-@dataclass
-class SpeculationStats:
-    """Counts of one generation after its prefill: the model's forwards (rounds), tokens drafted, drafts
-    accepted, and tokens emitted (kept drafts plus the model's own token of each round)."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Tokens emitted per forward of the model after the prefill (1.0 without speculation)."""
-        return self.emitted / self.rounds if self.rounds else 0.0
-
-    def __str__(self) -> str:
-        return (f"{self.accepted}/{self.drafted} drafts accepted ({self.acceptance_rate:.0%}), "
-                f"{self.tokens_per_forward:.2f} tokens per forward over {self.rounds} forwards")
-
-
-# ------------------------------------------------------------------ the rule
 
 
 def accept_greedy(choices: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
@@ -88,9 +59,6 @@ def one_hot_rows(draft: Sequence[int], vocab_size: int, device=None) -> torch.Te
     q = torch.zeros(len(draft), vocab_size, device=device)
     q[torch.arange(len(draft)), torch.tensor(list(draft), dtype=torch.long)] = 1.0
     return q
-
-
-# ------------------------------------------------------------------ drafters
 
 
 class NgramDrafter:
@@ -154,7 +122,7 @@ def int4_drafter(model, group_size: int = 32) -> ModelDrafter:
 
 
 def check_drafter(model, drafter) -> None:
-    """A drafter's vocabulary must be the model's: its q rows are compared with the model's p."""
+    """A drafter has start() and propose(); a draft model's vocabulary must be the model's."""
     if not hasattr(drafter, "propose") or not hasattr(drafter, "start"):
         raise TypeError(f"speculative: a drafter has start() and propose(), got {type(drafter).__name__}")
     draft_model = getattr(drafter, "model", None)
@@ -163,7 +131,19 @@ def check_drafter(model, drafter) -> None:
                          f"the model's {model.config.vocab_size}; a drafter must share the tokenizer")
 
 
-# ------------------------------------------------------------------ the loop
+def _prepare(model, tokenizer, prompt_ids, drafter, max_new_tokens, stop, eos_token_ids, num_draft):
+    """stream's checks and set-up -> (prompt ids, text stream, cache length, the model's cache)."""
+    if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
+        raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
+    check_drafter(model, drafter)
+    weight, context = next(model.parameters()), model.config.max_position_embeddings
+    prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size)
+    eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
+    text_stream = TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
+    total = min(len(prompt_ids) + max_new_tokens, context)  # the cache never needs more
+    cache = make_cache(model.config, 1, total, dtype=weight.dtype, device=weight.device)
+    drafter.start(total)
+    return prompt_ids, text_stream, total, cache
 
 
 def _verify(model, cache, seen, draft, q, params, generator, prompt_len):
@@ -182,6 +162,47 @@ def _verify(model, cache, seen, draft, q, params, generator, prompt_len):
     return kept, token, torch.log_softmax(logits, -1)
 
 
+def _round(model, cache, drafter, seen, k, params, generator, prompt_len):
+    """Draft up to k tokens, verify them in one forward -> (tokens to emit, logprob rows, number drafted)."""
+    draft, q = drafter.propose(seen, k, params, generator, prompt_len) if k > 0 else ([], None)
+    kept, token, logp = _verify(model, cache, seen, draft, q, params, generator, prompt_len)
+    return [*draft[:kept], token], logp, len(draft)
+
+
+@dataclass
+class SpeculationStats:
+    """Counts of one generation after its prefill: the model's forwards (rounds), tokens drafted,
+    drafts accepted, and tokens emitted (kept drafts plus the model's own token of each round)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def add_round(self, drafted: int, kept: int) -> None:
+        self.rounds, self.drafted, self.accepted = self.rounds + 1, self.drafted + drafted, self.accepted + kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens emitted per forward of the model after the prefill (1.0 without speculation)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.accepted}/{self.drafted} drafts accepted ({self.acceptance_rate:.0%}), "
+                f"{self.tokens_per_forward:.2f} tokens per forward over {self.rounds} forwards")
+
+
+def next_k(k: int, num_draft: int, drafted: int, kept: int) -> int:
+    """Adaptive k: one more after a round that kept every draft, one fewer after a miss (1..num_draft)."""
+    if not drafted:
+        return k
+    return min(num_draft, k + 1) if kept == drafted else max(1, k - 1)
+
+
 def _top(logp: torch.Tensor, n: int | None) -> list[tuple[int, float]] | None:
     """The n most likely tokens of one row of logprobs (V,), as sample() reports them."""
     if n is None:
@@ -196,40 +217,26 @@ def stream(model, tokenizer, prompt_ids: Sequence[int], drafter, params: Samplin
            num_draft: int = 4, adaptive: bool = True, stats: SpeculationStats | None = None) -> Iterator[Step]:
     """generate.stream with a drafter: the same Steps (token ids, text, finish), fewer forwards.
 
-    num_draft: tokens drafted per round (with adaptive, the most: one more after a round that kept
-    every draft, one fewer after a miss); stats, if given, receives the round and acceptance counts."""
-    if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
-        raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
-    check_drafter(model, drafter)
-    device = next(model.parameters()).device
-    context = model.config.max_position_embeddings
-    prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size)
-    eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
-    text_stream = TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
-    total = min(len(prompt_ids) + max_new_tokens, context)
-    cache = make_cache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
-    drafter.start(total)
-    generator = make_generator(params.seed, device)
-    stats = SpeculationStats() if stats is None else stats
+    num_draft: the most tokens drafted per round (adaptive: see next_k); stats, if given, receives the counts."""
+    prompt_ids, text_stream, total, cache = _prepare(model, tokenizer, prompt_ids, drafter, max_new_tokens, stop,
+                                                     eos_token_ids, num_draft)
+    device = cache[0].k.device
+    generator, stats, k = make_generator(params.seed, device), stats or SpeculationStats(), num_draft
     reset_peak_memory(device)
-
     start = synchronized_time(device)
     logits = model(torch.tensor([prompt_ids], device=device), cache=cache, logits_to_keep=1)[:, -1]  # prefill (1, V)
     prefill_done = synchronized_time(device)
     pick = sample(logits, params, generator, token_ids=[prompt_ids], prompt_lengths=[len(prompt_ids)])
-    first_token_at = synchronized_time(device)
-    seen, k = [*prompt_ids, int(pick.tokens[0])], num_draft
+    first_token_at, seen = synchronized_time(device), [*prompt_ids, int(pick.tokens[0])]
     text, finish = text_stream.push(seen[-1])
     step = Step(text, seen[-1], float(pick.logprobs[0]), pick.top_logprobs[0] if pick.top_logprobs else None, finish)
     while finish is None:
         yield step
         room = min(total - len(seen), max_new_tokens - (len(seen) - len(prompt_ids)) - 1)  # slots for drafts
-        draft, q = drafter.propose(seen, min(k, room), params, generator, len(prompt_ids)) if room > 0 else ([], None)
-        kept, token, logp = _verify(model, cache, seen, draft, q, params, generator, len(prompt_ids))
-        stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + len(draft), stats.accepted + kept
-        if adaptive and draft:
-            k = min(num_draft, k + 1) if kept == len(draft) else max(1, k - 1)
-        for i, t in enumerate([*draft[:kept], token]):
+        tokens, logp, drafted = _round(model, cache, drafter, seen, min(k, room), params, generator, len(prompt_ids))
+        stats.add_round(drafted, len(tokens) - 1)
+        k = next_k(k, num_draft, drafted, len(tokens) - 1) if adaptive else k
+        for i, t in enumerate(tokens):
             if finish is not None:
                 break
             if i:

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from minillm import bench, roofline
+from minillm.bench_speculative import TASKS
 
 QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1"]
 
@@ -52,8 +53,9 @@ def test_ratios_mean_minillm_better_when_above_one(result):
         if r["minillm"] is None or r["transformers"] is None:
             assert r["ratio"] is None
             continue
-        assert r["minillm"] > 0 and r["transformers"] > 0 or r["metric"] == "greedy agreement"
-        if r["metric"] == "greedy agreement":
+        agreement = r["metric"] == "greedy agreement" or r["metric"].endswith("equal to plain")
+        assert r["minillm"] > 0 and r["transformers"] > 0 or agreement
+        if agreement:
             assert 0 <= r["minillm"] <= r["transformers"] == 8
             expected = r["minillm"] / r["transformers"]
         elif r["unit"] in ("s", "ms", "MiB"):  # lower is better: transformers / minillm
@@ -94,6 +96,20 @@ def test_memory_and_engine(result):
     engine = rows(result, section="engine")
     assert {r["variant"] for r in engine} == {"readable", "fast"} and all(r["n"] == 4 for r in engine)
     assert all(r["minillm"] > 0 and r["transformers"] > 0 for r in engine)
+
+
+def test_speculative_section(result):
+    """Each drafter on each task: its tokens equal plain decoding's (all 8), and its counts are sane."""
+    for task in TASKS:
+        for variant in ("int4 drafter", "prompt lookup"):
+            get = lambda metric: rows(result, section="speculative", variant=variant, metric=f"{task} {metric}")[0]
+            assert get("equal to plain")["minillm"] == get("equal to plain")["transformers"] == 8
+            assert 0 <= get("accepted")["minillm"] <= 100 and get("tokens/forward")["minillm"] >= 1
+            assert get("decode")["minillm"] > 0 and get("decode")["transformers"] > 0
+            assert get("vs plain")["minillm"] == pytest.approx(
+                get("decode")["minillm"] / rows(result, section="speculative", variant="plain",
+                                                metric=f"{task} decode")[0]["minillm"])
+    assert "speculative: transformers assisted generation" in result["skipped"]
 
 
 def test_table(capsys):

@@ -99,11 +99,23 @@ def test_generate_bad_input(args, message, tmp_path):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_generate_with_speculation_gives_the_plain_answer():
+    plain = run_cli("generate", "What is the capital of France?", "--temperature", "0", "--max-new-tokens", "24",
+                    "--device", "cpu")
+    fast = run_cli("generate", "What is the capital of France?", "--temperature", "0", "--max-new-tokens", "24",
+                   "--device", "cpu", "--speculative", "ngram", "--num-draft", "3", "--stats")
+    assert fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout and "Paris" in fast.stdout
+    assert "[speculative: " in fast.stderr and "tokens per forward" in fast.stderr
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--num-draft", "3"], "--num-draft applies to --speculative"),
+    (["--speculative", "int4", "--num-draft", "0"], "--num-draft must be >= 1, got 0"),
     (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
     (["--seed", str(2**70)], "seed must be an int in [-2**63, 2**64)"),
     (["--model", "data/tiny-llama"], "tokenizer not found"),  # weights there, no tokenizer: found before loading
-], ids=["max-new-tokens", "seed", "no tokenizer"])
+], ids=["num-draft alone", "num-draft 0", "max-new-tokens", "seed", "no tokenizer"])
 def test_bad_flags_fail_before_the_model_loads(args, message):
     t0 = time.monotonic()
     result = run_cli("generate", "hi", "--device", "cpu", *args)

@@ -1,0 +1,92 @@
+"""The benchmark's speculative section (plumbing): speculative decoding against plain greedy decoding.
+
+Two tasks, each greedy with end-of-sequence disabled, the same tokens on every path: an open chat
+question (the drafter must guess the model's own words) and an input-grounded one (copy a passage
+of the Gettysburg Address, public domain, with a misspelling fixed), where prompt lookup finds the
+answer in the prompt. Each path's tok/s is new tokens over the whole generation's seconds (prefill
+included, the same for all), the best of --repeats runs, over SPEC_TOKENS new tokens (--quick: --tokens). Ratios are against transformers' plain
+greedy generate, and, for prompt lookup, against transformers' own (`prompt_lookup_num_tokens`).
+Each speculative path's tokens are compared with minillm's plain greedy tokens (they must be equal).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minillm.generate import generate
+from minillm.speculative import NgramDrafter, SpeculationStats, int4_drafter, stream
+
+PASSAGE = ("Four score and seven years ago our fathers brought forth on this continant, a new nation, conceived in "
+           "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great "
+           "civil war, testing whether that nation, or any nation so conceived and so dedicated, can long endure.")
+SPEC_TOKENS = 64  # new tokens per task: the copy-edit answer is about this long, so lookup has text to copy
+TASKS = {"open": "Why is the sky blue? Explain it to a child.",
+         "copy-edit": "Copy this text exactly, but fix the misspelled word: " + PASSAGE}
+
+
+def task_prompts(tokenizer, vocab: int, quick: bool) -> dict[str, list[int]]:
+    """Each task's prompt ids, through the chat template; a tiny fixture gets seeded ids (its vocab is small)."""
+    if quick or not tokenizer.chat_template:
+        g = torch.Generator().manual_seed(0)
+        return {name: torch.randint(3, vocab, (24,), generator=g).tolist() for name in TASKS}
+    return {name: tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            for name, text in TASKS.items()}
+
+
+def _best(run, repeats: int):
+    results = [run() for _ in range(repeats)]
+    return min(results, key=lambda r: r[0])
+
+
+def _minillm(model, tokenizer, ids, tokens, drafter=None):
+    def run():
+        stats = SpeculationStats()
+        t0 = time.perf_counter()
+        if drafter is None:
+            out = generate(model, tokenizer, ids, max_new_tokens=tokens, eos_token_ids=()).token_ids
+        else:
+            out = [s.token_id for s in stream(model, tokenizer, ids, drafter, max_new_tokens=tokens,
+                                              eos_token_ids=(), stats=stats)]
+        return time.perf_counter() - t0, out, stats
+    return run
+
+
+def _transformers(hf, ids, tokens, **extra):
+    def run():
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=tokens,
+                              min_new_tokens=tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                              pad_token_id=0, **extra)
+        return time.perf_counter() - t0, out[0, len(ids):].tolist(), None
+    return run
+
+
+def speculative_rows(sides, args, row, skipped: dict) -> None:
+    """Rows of the speculative section: per task, plain, int4 drafter and prompt lookup (tok/s), their
+    acceptance, and whether their tokens equal plain decoding's."""
+    model, tok = sides.model, sides.tokenizer
+    tokens = args.tokens if args.quick else SPEC_TOKENS
+    drafters = {"int4 drafter": int4_drafter(model, args.group_size), "prompt lookup": NgramDrafter()}
+    skipped["speculative: transformers assisted generation"] = (
+        "not run: it needs a smaller model with the same tokenizer, and none is stored offline")
+    for task, ids in task_prompts(tok, model.config.vocab_size, args.quick).items():
+        _minillm(model, tok, ids[:8], 2)()  # warm-up
+        hf_plain = _best(_transformers(sides.hf, ids, tokens), args.repeats)
+        hf_lookup = _best(_transformers(sides.hf, ids, tokens, prompt_lookup_num_tokens=4), args.repeats)
+        plain = _best(_minillm(model, tok, ids, tokens), args.repeats)
+        rate = lambda r: tokens / r[0]
+        row("speculative", "plain", f"{task} decode", "tok/s", rate(plain), rate(hf_plain), n=tokens)
+        row("speculative", "transformers lookup", f"{task} decode", "tok/s", None, rate(hf_lookup), n=tokens)
+        for name, drafter in drafters.items():
+            result = _best(_minillm(model, tok, ids, tokens, drafter), args.repeats)
+            theirs = hf_lookup if name == "prompt lookup" else hf_plain
+            row("speculative", name, f"{task} decode", "tok/s", rate(result), rate(theirs), n=tokens)
+            row("speculative", name, f"{task} vs plain", "x", rate(result) / rate(plain), None, n=tokens)
+            row("speculative", name, f"{task} accepted", "%", 100 * result[2].acceptance_rate, None, n=tokens)
+            row("speculative", name, f"{task} tokens/forward", "tokens", result[2].tokens_per_forward, None, n=tokens)
+            same = next((i for i, (a, b) in enumerate(zip(result[1], plain[1])) if a != b), len(plain[1]))
+            row("speculative", name, f"{task} equal to plain", "tokens", same, len(plain[1]), n=tokens)
