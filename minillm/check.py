@@ -20,11 +20,11 @@ a spreadsheet does not read 3/3 as a date). An exercise is named by the referenc
 generated from (09_sampling), else by the file's stem. It runs students' code: use a sandbox.
 
 The checks live in minillm/check_model.py (notebooks 01-05), minillm/check_loading.py (06, 07, 10),
-minillm/check_serving.py (08-13), minillm/check_engine.py (12, 14) and check_first_versions.py (the
-lessons' first versions in 02, 10 and 13: naive_attention, greedy_decode, fake_quant). The
-exploration tasks' checks (check.explore_<name>, named in EXPLORE, not in CHECKS: they take a
-measured number and run in the notebook) are in minillm/check_explore.py (counts and bytes) and
-check_engine.py (12 and 14: measurements). All run on the harness of minillm/check_harness.py;
+minillm/check_serving.py (08-13), minillm/check_engine.py (12, 14), check_speculative.py (17) and
+check_first_versions.py (the lessons' first versions in 02, 10 and 13: naive_attention,
+greedy_decode, fake_quant). The exploration tasks' checks (check.explore_<name>, named in EXPLORE,
+not in CHECKS: they take a measured number and run in the notebook) are in minillm/check_explore.py
+(counts and bytes), check_engine.py (12 and 14: measurements) and check_speculative.py (17). All run on the harness of minillm/check_harness.py;
 this module names them (CHECKS, EXPLORE) and runs them.
 """
 
@@ -42,7 +42,7 @@ import types
 from pathlib import Path
 from typing import Callable
 
-from minillm import check_engine, check_explore
+from minillm import check_engine, check_explore, check_speculative
 from minillm.check_engine import (admit, explore_speedup_16, explore_text_share, make_room, output_events,
                                   preempt_seq)
 from minillm.check_explore import (
@@ -88,6 +88,7 @@ from minillm.check_serving import (
     top_k_filter,
     top_p_filter,
 )
+from minillm.check_speculative import accept_sampled, explore_lookup_forwards_saved
 
 __all__ = [
     "contiguous_strides", "transpose", "expand", "matmul",
@@ -99,7 +100,7 @@ __all__ = [
     "explore_transpose_copy_bytes", "explore_gqa_saved_bytes_per_token", "explore_kv_crossover_tokens",
     "explore_tail", "explore_broken_tokens", "explore_int4_bits_per_weight", "explore_slow_pairs_theta_10k",
     "explore_mlp_share_of_model", "explore_sequences_that_fit", "explore_attention_crossover_tokens",
-    "explore_qwen7b_bytes", "explore_chinese_share", "EXPLORE",
+    "explore_qwen7b_bytes", "explore_chinese_share", "accept_sampled", "explore_lookup_forwards_saved", "EXPLORE",
     "admit", "preempt_seq", "make_room", "explore_speedup_16", "output_events", "explore_text_share",
     "CheckFailed", "CHECKS", "check_namespace", "check_path", "grade", "main",
 ]
@@ -120,10 +121,12 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "unpermute_qk": unpermute_qk, "bpe": bpe, "StreamDecoder.push": stream_decoder_push,
     "StopStrings.push": stop_strings_push, "greedy_decode": greedy_decode, "stream": stream,
     "admit": admit, "preempt_seq": preempt_seq, "make_room": make_room, "output_events": output_events,
+    "accept_sampled": accept_sampled,
 }
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
-EXPLORE: dict[str, Callable[[object], bool]] = {**check_explore.EXPLORE, **check_engine.EXPLORE}
+EXPLORE: dict[str, Callable[[object], bool]] = {**check_explore.EXPLORE, **check_engine.EXPLORE,
+                                                 **check_speculative.EXPLORE}
 """Exploration name (the answer's variable) -> its check, which takes the number (check.explore_<name>)."""
 
 _EXPORT = re.compile(r"^#\|\s*export")
@@ -159,7 +162,31 @@ def _notebook_code(path: Path) -> tuple[str, list[str] | None]:
     stubs = nb.get("metadata", {}).get("minillm", {}).get("stubs")
     lines = "\n\n".join(chunks).splitlines()  # several modules' cells: their __future__ imports go first
     future = [line for line in lines if line.startswith("from __future__ import")]
-    return "\n".join([*dict.fromkeys(future), *(line for line in lines if line not in future)]), stubs
+    code = "\n".join([*dict.fromkeys(future), *(line for line in lines if line not in future)])
+    return code, stubs if stubs is not None else _solution_names(code)
+
+
+def _solution_names(code: str) -> list[str] | None:
+    """A reference notebook's exercises: the functions and Class.methods whose body holds a solution
+    region (None when there is none: then every checkable name the code defines is checked). Without
+    this, a name another notebook's exercise uses (notebook 17's speculative `stream`) would be
+    checked against the wrong exercise."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None  # check_path reports it
+    marks = [n for n, line in enumerate(code.splitlines(), 1) if line.strip() == "### BEGIN SOLUTION"]
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            functions = [(node, node.name)]
+        elif isinstance(node, ast.ClassDef):
+            functions = [(m, f"{node.name}.{m.name}") for m in node.body if isinstance(m, ast.FunctionDef)]
+        else:
+            continue
+        found += [name for fn, name in functions if any(fn.lineno <= m <= fn.end_lineno for m in marks)]
+    names = [name for name in found if name in CHECKS]
+    return names or None
 
 
 def _keep_definitions(code: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from minillm.api import load
-from minillm.check_harness import fail, run_explore
+from minillm.check_harness import as_pair, close_to, run_explore
 from minillm.embedded import embedded_gguf_path
 from minillm.kv_cache import kv_cache_bytes
 from minillm.model import CausalLM, ModelConfig
@@ -27,33 +27,6 @@ from minillm.quant import Int4Linear
 from minillm.tokenizer import Tokenizer, load_tiktoken_ranks, qwen_tiktoken_path
 
 CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
-
-
-def _number(what: str, got) -> float:
-    if isinstance(got, torch.Tensor) and got.numel() == 1:
-        got = got.item()
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        fail(f"{what}: expected a number, got {type(got).__name__}")
-    return float(got)
-
-
-def _close(what: str, got, expected: float, rel: float = 0.0, abs_: float = 0.0,
-           mistakes: list[tuple[str, float]] = (), hint: str | None = None) -> None:
-    """Fail unless |got - expected| <= max(abs_, rel * |expected|); name a known mistake if got matches one."""
-    value = _number(what, got)
-    tol = max(abs_, rel * abs(expected))
-    if abs(value - expected) <= tol:
-        return
-    for h, wrong in mistakes:
-        if abs(value - wrong) <= max(tol, 1e-9 * abs(wrong)):
-            fail(f"{what}: {value:g} is not the reference answer", h)
-    fail(f"{what}: {value:g} is not the reference answer (within {'±' + format(tol, 'g')})", hint)
-
-
-def _pair(what: str, got) -> tuple:
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        fail(f"{what}: expected a pair (two numbers), got {type(got).__name__}")
-    return tuple(got)
 
 
 # ------------------------------------------------------------------ 01 tensors: views and copies
@@ -75,12 +48,12 @@ def transpose_copy_bytes():
 def explore_transpose_copy_bytes(value) -> bool:
     """(bytes .transpose(1, 2) copies, bytes .contiguous() after it copies) for q (1, 1024, 9, 64) float32; exact."""
     def body():
-        view, copy = _pair("transpose_copy_bytes", value)
+        view, copy = as_pair("transpose_copy_bytes", value)
         want_view, want_copy = transpose_copy_bytes()
-        _close("bytes copied by .transpose(1, 2)", view, want_view, mistakes=[
+        close_to("bytes copied by .transpose(1, 2)", view, want_view, mistakes=[
             ("a transpose is a view: compare the data_ptr() of the two tensors' untyped_storage()", want_copy)],
             hint="a view shares its storage: it copies nothing")
-        _close("bytes copied by .contiguous() after it", copy, want_copy, mistakes=[
+        close_to("bytes copied by .contiguous() after it", copy, want_copy, mistakes=[
             ("count bytes, not elements: numel() x element_size()", want_copy / 4),
             ("the transposed view is not contiguous, so contiguous() copies every element", 0)],
             hint="the copy's own storage: untyped_storage().nbytes()")
@@ -101,7 +74,7 @@ def explore_gqa_saved_bytes_per_token(value) -> bool:
     """Bytes of bf16 KV cache per token SmolLM2 saves with GQA against full multi-head; exact."""
     def body():
         want = gqa_saved_bytes_per_token()
-        _close("gqa_saved_bytes_per_token", value, want, mistakes=[
+        close_to("gqa_saved_bytes_per_token", value, want, mistakes=[
             ("the cache holds a key AND a value per head", want / 2),
             ("bf16 is 2 bytes per number, not 4", want * 2),
             ("every one of the 30 layers has its own cache", want / 30),
@@ -125,7 +98,7 @@ def explore_slow_pairs_theta_10k(value) -> bool:
     """Pairs of SmolLM2's head (D = 64) slower than its 8192-token context if rope_theta were 10,000; exact."""
     def body():
         want = slow_pairs()
-        _close("slow_pairs_theta_10k", value, want, mistakes=[
+        close_to("slow_pairs_theta_10k", value, want, mistakes=[
             ("that is with SmolLM2's own rope_theta, 100,000: the question changes the base to 10,000", slow_pairs(1e5)),
             ("that counts the fast pairs (at least one turn), not the slow ones", 32 - want)],
             hint="the speeds for another base: the same function as smol_inv_freq with 10_000; a pair is slow "
@@ -152,7 +125,7 @@ def explore_mlp_share_of_model(value) -> bool:
             model = CausalLM(ModelConfig.from_json(CONFIGS / "SmolLM2-135M-Instruct.json"))
         layers = sum(p.numel() for p in model.model.layers.parameters())
         mlp = want * sum(p.numel() for p in model.parameters())
-        _close("mlp_share_of_model", value, want, abs_=0.002, mistakes=[
+        close_to("mlp_share_of_model", value, want, abs_=0.002, mistakes=[
             ("that is the share within the decoder layers: the question counts the whole model, embedding too",
              mlp / layers),
             ("a share, not a percentage: a number between 0 and 1", want * 100)],
@@ -189,7 +162,7 @@ def explore_attention_crossover_tokens(value) -> bool:
     """SmolLM2's context length where attention's multiply-adds per new token reach its weights'; within 1%."""
     def body():
         want = attention_crossover_tokens()
-        _close("attention_crossover_tokens", value, want, rel=0.01, mistakes=[
+        close_to("attention_crossover_tokens", value, want, rel=0.01, mistakes=[
             ("each of the 9 query heads computes its own scores and sums: GQA shares keys and values in memory, "
              "not the arithmetic", attention_crossover_tokens(heads="num_key_value_heads")),
             ("the output head is a matmul too: 49,152 x 576 with the tied embedding",
@@ -226,15 +199,15 @@ def qwen7b_bytes(q8: float = Q8_0_BYTES, q4: float = Q4_1_BYTES, float_bytes: in
 def explore_qwen7b_bytes(value) -> bool:
     """(GGUF tensor bytes with SmolLM2's Q8_0/Q4_1 recipe, float32 bytes after from_gguf) of Qwen2.5-7B; 1%."""
     def body():
-        file, loaded = _pair("qwen7b_bytes", value)
+        file, loaded = as_pair("qwen7b_bytes", value)
         want_file, want_loaded = qwen7b_bytes()
-        _close("the GGUF file's tensor bytes", file, want_file, rel=0.01, mistakes=[
+        close_to("the GGUF file's tensor bytes", file, want_file, rel=0.01, mistakes=[
             ("a block stores its float16 scale (and Q4_1 its minimum) besides the values: 34 bytes per 32 "
              "weights for Q8_0, 20 for Q4_1 (gguf.GGML_QUANT_SIZES)", qwen7b_bytes(q8=1.0, q4=0.5)[0]),
             ("bits, not bytes: divide by 8", want_file * 8)],
             hint="per parameter tensor: numel() x its type's bytes per weight; Qwen2.5-7B's head is a "
                  "tensor of its own (untied)")
-        _close("the float32 bytes after loading", loaded, want_loaded, rel=0.01, mistakes=[
+        close_to("the float32 bytes after loading", loaded, want_loaded, rel=0.01, mistakes=[
             ("from_gguf dequantizes to float32: 4 bytes per parameter", qwen7b_bytes(float_bytes=2)[1]),
             ("that is the file's size: loading turns every weight into a float32", want_file)],
             hint="4 bytes for every parameter, the untied head included")
@@ -265,14 +238,14 @@ def chinese_share() -> tuple[float, float]:
 def explore_chinese_share(value) -> bool:
     """(Qwen2.5, SmolLM2) shares of tokens that decode to text with a CJK ideograph; within 0.002 and 0.0002."""
     def body():
-        qwen, smol = _pair("chinese_share", value)
+        qwen, smol = as_pair("chinese_share", value)
         want_qwen, want_smol = chinese_share()
-        _close("Qwen2.5's share", qwen, want_qwen, abs_=0.002, mistakes=[
+        close_to("Qwen2.5's share", qwen, want_qwen, abs_=0.002, mistakes=[
             ("the pair is (Qwen2.5, SmolLM2), in that order", want_smol),
             ("a share, not a percentage: a number between 0 and 1", want_qwen * 100)],
             hint="count the ranks' tokens (bytes) that decode as UTF-8 and hold a character between "
                  "U+4E00 and U+9FFF, over all 151,643")
-        _close("SmolLM2's share", smol, want_smol, abs_=0.0002, mistakes=[
+        close_to("SmolLM2's share", smol, want_smol, abs_=0.0002, mistakes=[
             ("the pair is (Qwen2.5, SmolLM2), in that order", want_qwen),
             ("no token spelled in the byte alphabet holds a Chinese character: decode the token's bytes "
              "(token_bytes, or unspell)", 0.0)],
@@ -298,7 +271,7 @@ def explore_kv_crossover_tokens(value) -> bool:
     """Context length at which Qwen2.5-0.5B's bf16 KV cache outweighs its bf16 weights; within 1%."""
     def body():
         want = kv_crossover_tokens()
-        _close("kv_crossover_tokens", value, want, rel=0.01, mistakes=[
+        close_to("kv_crossover_tokens", value, want, rel=0.01, mistakes=[
             ("the cache holds a key AND a value per kv head, and both it and the weights are bf16 (2 bytes)",
              want * 2),
             ("both in bf16: 2 bytes per weight as well as per cached number", want / 2),
@@ -329,13 +302,13 @@ def tail(threshold: float = 1e-4) -> tuple[int, float]:
 def explore_tail(value) -> bool:
     """(count, mass) of the tokens below probability 1e-4 after "...a little"; count within 0.5%, mass 0.002."""
     def body():
-        count, mass = _pair("tail", value)
+        count, mass = as_pair("tail", value)
         want_count, want_mass = tail()
         vocab = 49152
-        _close("tail count", count, want_count, rel=0.005, mistakes=[
+        close_to("tail count", count, want_count, rel=0.005, mistakes=[
             ("that counts the tokens above the threshold, not below", vocab - want_count)],
             hint="probabilities are softmax(logits) of the last row, temperature 1; count p < 1e-4")
-        _close("tail mass", mass, want_mass, abs_=0.002, mistakes=[
+        close_to("tail mass", mass, want_mass, abs_=0.002, mistakes=[
             ("that is the mass above the threshold: sum the probabilities of the tokens below it", 1 - want_mass)],
             hint="sum the probabilities of the same tokens (a number between 0 and 1)")
     return run_explore("tail", body)
@@ -361,7 +334,7 @@ def explore_broken_tokens(value) -> bool:
     """How many of SmolLM2's 49,152 tokens do not decode alone (their bytes are not valid UTF-8); exact."""
     def body():
         want = broken_tokens()
-        _close("broken_tokens", value, want, mistakes=[
+        close_to("broken_tokens", value, want, mistakes=[
             ("that counts the tokens that DO decode alone", 49152 - want)],
             hint="decode each token's bytes (token_bytes) strictly, bytes.decode('utf-8'), and count the "
                  "UnicodeDecodeErrors; tokenizer.decode replaces bad bytes with \ufffd instead of failing")
@@ -382,14 +355,14 @@ def sequences_that_fit(budget: int = 2**30 * 2, length: int = 300, block_size: i
 def explore_sequences_that_fit(value) -> bool:
     """(dense, paged) count of 300-token SmolLM2 sequences in a 2 GiB bf16 cache, blocks of 16; exact."""
     def body():
-        dense, paged = _pair("sequences_that_fit", value)
+        dense, paged = as_pair("sequences_that_fit", value)
         want_dense, want_paged = sequences_that_fit()
-        _close("sequences that fit, dense", dense, want_dense, mistakes=[
+        close_to("sequences that fit, dense", dense, want_dense, mistakes=[
             ("the dense cache reserves the whole 8192-token context per sequence, in bf16 (2 bytes)",
              2**31 // kv_cache_bytes(ModelConfig.from_json(CONFIGS / "SmolLM2-135M-Instruct.json"), 8192,
                                      dtype=torch.float32))],
             hint="a whole number of sequences: round down")
-        _close("sequences that fit, paged", paged, want_paged, mistakes=[
+        close_to("sequences that fit, paged", paged, want_paged, mistakes=[
             ("a sequence holds whole blocks: 300 tokens take ceil(300 / 16) blocks", 2**31 // (300 * 23040)),
             ("that is the dense count: with paging a sequence reserves only its blocks", want_dense)],
             hint="a whole number of sequences: round down")
@@ -410,7 +383,7 @@ def explore_int4_bits_per_weight(value) -> bool:
     """Bits per weight of int4 g32 with its scales and zeros counted; within 0.01 bit."""
     def body():
         want = int4_bits_per_weight()
-        _close("int4_bits_per_weight", value, want, abs_=0.01, mistakes=[
+        close_to("int4_bits_per_weight", value, want, abs_=0.01, mistakes=[
             ("count the scales and zeros too: sum the nbytes of every buffer of the layer", 4.0),
             ("every group stores a zero as well as a scale", 4.5),
             ("the scales and zeros are bf16 (2 bytes each), not float32", 6.0),

@@ -2,7 +2,8 @@
 
 A check body raises CheckFailed with the feedback a student sees; `run_check` prints PASS or
 FAIL with it; `compare` names the first wrong element and, when the result matches a known
-mistake, that mistake's hint; `run_explore` runs an exploration's check and reminds the student of
+mistake, that mistake's hint; `close_to`, `as_number` and `as_pair` do the same for the number an
+exploration task answers; `run_explore` runs an exploration's check and reminds the student of
 the sentence; `bounded` stops a student's function that does not return. The checks themselves are
 in the other check_*.py modules; minillm/check.py is the front door and names them.
 """
@@ -79,6 +80,35 @@ def bounded(fn: Callable, what: str, max_lines: int = 200_000) -> Callable:
         finally:
             sys.settrace(previous)
     return call
+
+
+def as_number(what: str, got) -> float:
+    """A student's answer as a float (a 0-d tensor too); fail naming its type otherwise."""
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        fail(f"{what}: expected a number, got {type(got).__name__}")
+    return float(got)
+
+
+def close_to(what: str, got, expected: float, rel: float = 0.0, abs_: float = 0.0,
+             mistakes: list[tuple[str, float]] = (), hint: str | None = None) -> None:
+    """Fail unless |got - expected| <= max(abs_, rel * |expected|); name a known mistake if got matches one."""
+    value = as_number(what, got)
+    tol = max(abs_, rel * abs(expected))
+    if abs(value - expected) <= tol:
+        return
+    for h, wrong in mistakes:
+        if abs(value - wrong) <= max(tol, 1e-9 * abs(wrong)):
+            fail(f"{what}: {value:g} is not the reference answer", h)
+    fail(f"{what}: {value:g} is not the reference answer (within {'±' + format(tol, 'g')})", hint)
+
+
+def as_pair(what: str, got) -> tuple:
+    """A student's answer that must be two numbers (a tuple or list)."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        fail(f"{what}: expected a pair (two numbers), got {type(got).__name__}")
+    return tuple(got)
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-6) -> bool:

@@ -84,6 +84,8 @@ def _calls(ns: dict) -> dict:
         **_loading_calls(),
         **_engine_calls(),
         **_first_version_calls(),
+        "accept_sampled": lambda f: f(torch.softmax(torch.randn(2, 4), -1), torch.softmax(torch.randn(1, 4), -1), [0],
+                                      None),
     }
 
 
@@ -135,6 +137,16 @@ def test_cli_fails_on_stubs_and_passes_on_the_reference(capsys):
     assert check.main([str(ROOT / "notebooks" / "02_attention.ipynb")]) == 0
     out = capsys.readouterr().out
     assert out.count("PASS") == 3 and "FAIL" not in out
+
+
+def test_cli_checks_a_reference_notebooks_own_exercises(capsys):
+    """Notebook 17 defines a `stream` of its own (speculative): the CLI checks only its solution regions."""
+    assert check.check_path(ROOT / "notebooks" / "17_speculative.ipynb") == (1, 1)
+    out = capsys.readouterr().out
+    assert out.strip() == "PASS accept_sampled"
+    assert check._solution_names("def stream(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n"
+                                 "def accept_sampled():\n    pass\n") == ["stream"]
+    assert check._solution_names("def stream(x):\n    return x\n") is None  # a student's module: every name
 
 
 def test_cli_runs_as_a_module():
@@ -250,14 +262,18 @@ class StopsSearchingNewTextOnly(generate.StopStrings):
         return out, False
 
 
-def _stream_variant(name: str, old: str, new: str):
-    """generate.stream with one line of its loop changed: a planted mistake in the student's region."""
-    source = inspect.getsource(generate.stream)
+def _variant(function, old: str, new: str, label: str):
+    """function with one line changed (a planted mistake in the student's region), named label."""
+    source = inspect.getsource(function)
     assert source.count(old) == 1, old
-    namespace = dict(vars(generate))
-    exec(compile(source.replace(old, new), name, "exec"), namespace)
-    namespace["stream"].__name__ = name
-    return namespace["stream"]
+    namespace = dict(vars(inspect.getmodule(function)))
+    exec(compile(source.replace(old, new), label, "exec"), namespace)
+    namespace[function.__name__].__name__ = label
+    return namespace[function.__name__]
+
+
+def _stream_variant(name: str, old: str, new: str):
+    return _variant(generate.stream, old, new, name)
 
 
 stream_decoding_one_position_late = _stream_variant("stream_decoding_one_position_late",
@@ -544,6 +560,26 @@ def test_bounded_leaves_a_function_that_returns_alone():
     assert bounded(lambda n: sum(i for i in range(n)), "count")(1000) == 499500
 
 
+# ---------------------------------------------------------------- notebook 17: the sampling rule (minillm/check_speculative.py)
+
+from minillm import check_speculative, speculative  # noqa: E402
+
+
+def _rule_variant(old: str, new: str, label: str):
+    return _variant(speculative.accept_sampled, old, new, label)
+
+
+_KEEP = "if ratio >= 1 or (ratio > 0 and float(torch.rand((), generator=generator, device=p.device)) < ratio):"
+SPECULATIVE_PLANTED = [
+    ("accept_sampled", _rule_variant(_KEEP, "if ratio >= 1:", "keep_if_p_above_q"), "whenever p(x) > q(x)"),
+    ("accept_sampled", _rule_variant(_KEEP, "if ratio > 1:", "reject_ties"), "below min(1, p(x) / q(x))"),
+    ("accept_sampled", _rule_variant("residual = (p[i] - q[i]).clamp(min=0)", "residual = p[i]", "resample_from_p"),
+     "not from p"),
+    ("accept_sampled", _rule_variant("ratio = float(p[i, x] / q[i, x])", "ratio = float(q[i, x] / p[i, x])",
+                                     "ratio_upside_down"), "has ratio p(x) / q(x) = 0"),
+]
+
+
 # ---------------------------------------------------------------- the reference passes
 
 REFERENCE = {
@@ -559,6 +595,7 @@ REFERENCE = {
     **LOADING_REFERENCE,
     **ENGINE_REFERENCE,
     **FIRST_REFERENCE,
+    "accept_sampled": speculative.accept_sampled,
 }
 
 
@@ -746,6 +783,7 @@ PLANTED = [
     *LOADING_PLANTED,
     *ENGINE_PLANTED,
     *FIRST_PLANTED,
+    *SPECULATIVE_PLANTED,
 ]
 
 
@@ -1065,12 +1103,15 @@ EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of 
     "qwen7b_bytes": (check_explore.qwen7b_bytes(), (check_explore.qwen7b_bytes(q8=1.0, q4=0.5)[0],
                                                     check_explore.qwen7b_bytes()[1]), "float16 scale"),
     "chinese_share": (check_explore.chinese_share(), (check_explore.chinese_share()[0], 0.0), "byte alphabet"),
+    "lookup_forwards_saved": (check_speculative.lookup_forwards_saved(), 1 - check_speculative.lookup_forwards_saved(),
+                              "share of forwards run"),
 }
 MEASURED = {"speedup_16", "text_share"}  # measurements on this machine: test_explorations_accept_plausible_numbers
 
 
 def test_every_exploration_has_a_reference():
-    assert set(EXPLORE_REFERENCE) == set(check_explore.EXPLORE) and MEASURED == set(check_engine.EXPLORE)
+    assert set(EXPLORE_REFERENCE) == set(check_explore.EXPLORE) | set(check_speculative.EXPLORE)
+    assert MEASURED == set(check_engine.EXPLORE)
     assert set(check.EXPLORE) == set(EXPLORE_REFERENCE) | MEASURED  # one registry
     for name, explore in check.EXPLORE.items():
         assert getattr(check, f"explore_{name}") is explore
@@ -1094,6 +1135,7 @@ def test_exploration_references_are_the_numbers_the_notebooks_print():
     assert smol_file == 96_576_768 and smol_float == 4 * 134_515_008  # the embedded file's tensor bytes, exactly
     qwen, smol = check_explore.chinese_share()
     assert 0.15 < qwen < 0.19 and 0.001 < smol < 0.002  # 25,511 of 151,643 and 80 of 49,152
+    assert 0.5 < check_speculative.lookup_forwards_saved() < 0.95  # the answer copies the passage
     count, mass = check_explore.tail()
     assert abs(count - 48816) <= 250 and abs(mass - 0.0425) <= 0.002
 
@@ -1101,7 +1143,7 @@ def test_exploration_references_are_the_numbers_the_notebooks_print():
 @pytest.mark.parametrize("name", list(EXPLORE_REFERENCE))
 def test_exploration_check_passes_the_reference_and_fails_a_slip(name, capsys):
     good, wrong, hint = EXPLORE_REFERENCE[name]
-    explore = check_explore.EXPLORE[name]
+    explore = check.EXPLORE[name]
     assert explore(good) is True
     out = capsys.readouterr().out
     assert out.startswith(f"PASS explore_{name}") and "one sentence" in out
