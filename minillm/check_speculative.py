@@ -15,6 +15,7 @@ from functools import lru_cache
 import torch
 
 from minillm.api import load
+from minillm.bench_speculative import TASKS
 from minillm.check_harness import close_to, fail, run_check, run_explore
 from minillm.speculative import NgramDrafter, SpeculationStats, stream
 
@@ -93,10 +94,7 @@ def accept_sampled(fn) -> bool:
 
 # ------------------------------------------------------------------ the exploration: what prompt lookup saves
 
-PASSAGE = ("Four score and seven years ago our fathers brought forth on this continant, a new nation, conceived in "
-           "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great "
-           "civil war, testing whether that nation, or any nation so conceived and so dedicated, can long endure.")
-EDIT = "Copy this text exactly, but fix the misspelled word: " + PASSAGE
+EDIT = TASKS["copy-edit"]  # the benchmark's copy-edit task, notebook 17's too
 
 
 @lru_cache(maxsize=1)
