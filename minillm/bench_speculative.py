@@ -7,6 +7,8 @@ answer in the prompt. Each path's tok/s is new tokens over the whole generation'
 included, the same for all), the best of --repeats runs, over SPEC_TOKENS new tokens (--quick: --tokens). Ratios are against transformers' plain
 greedy generate, and, for prompt lookup, against transformers' own (`prompt_lookup_num_tokens`).
 Each speculative path's tokens are compared with minillm's plain greedy tokens (they must be equal).
+Every drafter guesses up to NUM_DRAFT tokens a round (adaptive). With --compile, one more row: the
+fast float32 path as the model (the same float32 weights, fused) with a torch.compile'd int4 drafter.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import time
 
 import torch
 
+from minillm.fast import FastCausalLM
 from minillm.generate import generate
-from minillm.speculative import NgramDrafter, SpeculationStats, int4_drafter, stream
+from minillm.speculative import ModelDrafter, NgramDrafter, SpeculationStats, int4_drafter, stream
 
 PASSAGE = ("Four score and seven years ago our fathers brought forth on this continant, a new nation, conceived in "
            "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great "
            "civil war, testing whether that nation, or any nation so conceived and so dedicated, can long endure.")
 SPEC_TOKENS = 64  # new tokens per task: the copy-edit answer is about this long, so lookup has text to copy
+NUM_DRAFT = 6  # notebook 17's sweep: the int4 drafter gains most at k = 6 to 8
 TASKS = {"open": "Why is the sky blue? Explain it to a child.",
          "copy-edit": "Copy this text exactly, but fix the misspelled word: " + PASSAGE}
 
@@ -40,15 +44,15 @@ def _best(run, repeats: int):
     return min(results, key=lambda r: r[0])
 
 
-def _minillm(model, tokenizer, ids, tokens, drafter=None):
+def _minillm(model, tokenizer, ids, tokens, drafter=None, target=None):
     def run():
         stats = SpeculationStats()
         t0 = time.perf_counter()
         if drafter is None:
             out = generate(model, tokenizer, ids, max_new_tokens=tokens, eos_token_ids=()).token_ids
         else:
-            out = [s.token_id for s in stream(model, tokenizer, ids, drafter, max_new_tokens=tokens,
-                                              eos_token_ids=(), stats=stats)]
+            out = [s.token_id for s in stream(target or model, tokenizer, ids, drafter, max_new_tokens=tokens,
+                                              eos_token_ids=(), num_draft=NUM_DRAFT, stats=stats)]
         return time.perf_counter() - t0, out, stats
     return run
 
@@ -66,11 +70,15 @@ def _transformers(hf, ids, tokens, **extra):
 
 
 def speculative_rows(sides, args, row, skipped: dict) -> None:
-    """Rows of the speculative section: per task, plain, int4 drafter and prompt lookup (tok/s), their
-    acceptance, and whether their tokens equal plain decoding's."""
+    """Rows of the speculative section: per task, plain, int4 drafter and prompt lookup (tok/s; with
+    --compile the compiled drafter for the fast path too), their acceptance, and whether their tokens
+    equal plain decoding's."""
     model, tok = sides.model, sides.tokenizer
     tokens = args.tokens if args.quick else SPEC_TOKENS
-    drafters = {"int4 drafter": int4_drafter(model, args.group_size), "prompt lookup": NgramDrafter()}
+    drafters = {"int4 drafter": (int4_drafter(model, args.group_size), model), "prompt lookup": (NgramDrafter(), model)}
+    if args.compile:  # the float32 model on its fast path, drafted for by the compiled int4 fast path
+        compiled = ModelDrafter(FastCausalLM(model, quantize="int4", group_size=args.group_size).compile())
+        drafters["int4 drafter, fast compiled"] = (compiled, FastCausalLM(model))
     skipped["speculative: transformers assisted generation"] = (
         "not run: it needs a smaller model with the same tokenizer, and none is stored offline")
     for task, ids in task_prompts(tok, model.config.vocab_size, args.quick).items():
@@ -81,8 +89,9 @@ def speculative_rows(sides, args, row, skipped: dict) -> None:
         rate = lambda r: tokens / r[0]
         row("speculative", "plain", f"{task} decode", "tok/s", rate(plain), rate(hf_plain), n=tokens)
         row("speculative", "transformers lookup", f"{task} decode", "tok/s", None, rate(hf_lookup), n=tokens)
-        for name, drafter in drafters.items():
-            result = _best(_minillm(model, tok, ids, tokens, drafter), args.repeats)
+        for name, (drafter, target) in drafters.items():
+            _minillm(model, tok, ids, 8, drafter, target)()  # warm-up (and torch.compile's first compiles)
+            result = _best(_minillm(model, tok, ids, tokens, drafter, target), args.repeats)
             theirs = hf_lookup if name == "prompt lookup" else hf_plain
             row("speculative", name, f"{task} decode", "tok/s", rate(result), rate(theirs), n=tokens)
             row("speculative", name, f"{task} vs plain", "x", rate(result) / rate(plain), None, n=tokens)

@@ -112,6 +112,18 @@ def test_speculative_section(result):
     assert "speculative: transformers assisted generation" in result["skipped"]
 
 
+def test_speculative_compiled_row(tmp_path):
+    """--compile adds the fast path drafted for by the compiled int4 path; its tokens equal plain decoding's."""
+    out = tmp_path / "bench.json"
+    assert bench.main(["speculative", *QUICK, "--compile", "--threads", "1", "--json", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for task in TASKS:
+        get = lambda metric: rows(result, section="speculative", variant="int4 drafter, fast compiled",
+                                  metric=f"{task} {metric}")[0]
+        assert get("equal to plain")["minillm"] == get("equal to plain")["transformers"] == 8
+        assert get("decode")["minillm"] > 0 and get("tokens/forward")["minillm"] >= 1
+
+
 def test_table(capsys):
     assert bench.main(["ceiling", "--quick", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
