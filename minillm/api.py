@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from minillm.constrained import Constraints
 from minillm.devices import parse_device, parse_dtype
 from minillm.embedded import embedded_gguf_path
 from minillm.fast import FastCausalLM
@@ -33,6 +34,7 @@ class LLM:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer):
         self.model, self.tokenizer = model, tokenizer
+        self.constraints = Constraints(tokenizer, model.config.vocab_size)  # compiles response formats on use
 
     def encode_chat(self, messages: Sequence[dict], **template_kwargs) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -44,10 +46,13 @@ class LLM:
             return self.tokenizer.encode(prompt_or_messages)
         return self.encode_chat(prompt_or_messages)
 
-    def _steps(self, ids, params, speculative, **kwargs) -> Iterator[Step]:
+    def _steps(self, ids, params, speculative, response_format=None, **kwargs) -> Iterator[Step]:
         params = params or SamplingParams(temperature=0)
+        constraint = self.constraints.for_format(response_format)  # None for free text
         if speculative is None:
-            return stream(self.model, self.tokenizer, ids, params=params, **kwargs)
+            return stream(self.model, self.tokenizer, ids, params=params, constraint=constraint, **kwargs)
+        if constraint is not None:
+            raise ValueError("speculative decoding does not take a response_format; pass one or the other")
         return speculative_stream(self.model, self.tokenizer, ids, self.drafter(speculative), params=params, **kwargs)
 
     def generate(self, prompt: str, params: SamplingParams | None = None, speculative=None, **kwargs) -> Completion:
@@ -56,7 +61,11 @@ class LLM:
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, speculative=None,
              **kwargs) -> Completion:
-        """Answer chat messages ([{"role": "user", "content": ...}, ...]) through the chat template."""
+        """Answer chat messages ([{"role": "user", "content": ...}, ...]) through the chat template.
+
+        response_format= (chat, generate and stream): OpenAI's {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}}} or {"type": "json_object"}, or a pydantic model class: the
+        answer then always parses (notebook 18)."""
         return collect(self._steps(self.encode_chat(messages), params, speculative, **kwargs))
 
     def stream(self, prompt_or_messages, params: SamplingParams | None = None, speculative=None,
@@ -67,14 +76,19 @@ class LLM:
                 yield step.text
 
     def drafter(self, speculative):
-        """The drafter for speculative decoding (minillm/speculative.py): "ngram" (prompt lookup),
-        "int4" (this model's own int4 fast path, built on each call), another LLM with the same
-        tokenizer, or a drafter object as it is. The answer is the model's own either way."""
-        if speculative == "ngram":
-            return NgramDrafter()
-        if speculative == "int4":
-            return int4_drafter(self.model)
-        return ModelDrafter(speculative.model) if isinstance(speculative, LLM) else speculative
+        """make_drafter (below) for this model."""
+        return make_drafter(self.model, speculative)
+
+
+def make_drafter(model, speculative):
+    """The drafter for speculative decoding (minillm/speculative.py): "ngram" (prompt lookup),
+    "int4" (this model's own int4 fast path, built on each call), another LLM with the same
+    tokenizer, or a drafter object as it is. The answer is the model's own either way."""
+    if speculative == "ngram":
+        return NgramDrafter()
+    if speculative == "int4":
+        return int4_drafter(model)
+    return ModelDrafter(speculative.model) if isinstance(speculative, LLM) else speculative
 
 
 def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,

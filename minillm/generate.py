@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minillm.constrained import apply_constraints
 from minillm.devices import peak_memory_mib, reset_peak_memory, synchronized_time
 from minillm.kv_cache import make_cache
 from minillm.model import CausalLM
@@ -159,7 +160,7 @@ class Completion:
 @torch.no_grad()
 def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
            params: SamplingParams = SamplingParams(temperature=0), max_new_tokens: int = 256,
-           stop: Sequence[str] = (), eos_token_ids: Sequence[int] | None = None) -> Iterator[Step]:
+           stop: Sequence[str] = (), eos_token_ids: Sequence[int] | None = None, constraint=None) -> Iterator[Step]:
     """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
@@ -175,16 +176,17 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
     logits = model(ids, cache=cache, start_pos=0, logits_to_keep=1)[:, -1]  # prefill: (1, V), the last position only
     prefill_done = synchronized_time(device)
-    seen, finish = list(prompt_ids), None
-    first_token_at = None
+    seen, finish, first_token_at = list(prompt_ids), None, None
     while finish is None:
+        logits = apply_constraints(logits, [constraint])  # structured outputs (notebook 18); None: unchanged
         pick = sample(logits, params, generator, token_ids=[seen], prompt_lengths=[len(prompt_ids)])
         token = int(pick.tokens[0])  # the one read-back a step needs: the host decides what comes next
         first_token_at = first_token_at or synchronized_time(device)
         seen.append(token)
+        if constraint is not None:
+            constraint.advance(token)
         text, finish = text_stream.push(token)
-        top = pick.top_logprobs[0] if pick.top_logprobs else None
-        step = Step(text, token, float(pick.logprobs[0]), top, finish)
+        step = Step(text, token, float(pick.logprobs[0]), pick.top_logprobs[0] if pick.top_logprobs else None, finish)
         if finish is None:
             logits = model(pick.tokens.view(1, 1), cache=cache, start_pos=len(seen) - 1)[:, -1]  # decode: (1, V)
             yield step
@@ -216,8 +218,9 @@ def generate_batch(
     params: SamplingParams = SamplingParams(temperature=0),
     max_new_tokens: int = 256,
     eos_token_ids: Sequence[int] | None = None,
+    constraints: Sequence | None = None,
 ) -> list[list[int]]:
-    """Generated ids for each prompt, run as one left-padded batch (B rows share each forward)."""
+    """Generated ids for each prompt, as one left-padded batch; constraints: one per row or None, as stream's."""
     device = next(model.parameters()).device
     prompts = [check_prompt(p, max_new_tokens, model.config.max_position_embeddings, model.config.vocab_size)
                for p in prompts]
@@ -232,14 +235,16 @@ def generate_batch(
     cache = make_cache(model.config, B, total, dtype=next(model.parameters()).dtype, device=device)
     generator = make_generator(params.seed, device)
     logits = model(ids, attention_mask=mask[:, :T], cache=cache)[:, -1]  # (B, V)
-    seen = [list(p) for p in prompts]
-    out, done = [[] for _ in prompts], [False] * B
+    seen, out, done = [list(p) for p in prompts], [[] for _ in prompts], [False] * B
     for pos in range(T, total):
+        logits = apply_constraints(logits, constraints or [None] * B)  # (B, V): -inf where a row's constraint forbids
         tokens = sample(logits, params, generator, token_ids=seen, prompt_lengths=[len(p) for p in prompts]).tokens
         for b, t in enumerate(tokens.tolist()):
             if not done[b]:
                 out[b].append(t)
                 seen[b].append(t)
+                if constraints and constraints[b] is not None:
+                    constraints[b].advance(t)
                 done[b] = t in eos or len(out[b]) == max_new_tokens
         if all(done) or pos + 1 == total:
             break
