@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from minillm.constrained import Constraints, apply_constraints
 from minillm.generate import TextStream, check_prompt
 from minillm.model import CausalLM
 from minillm.paged_cache import BlockManager, PagedView, batch_layout, make_paged_cache
@@ -47,6 +48,7 @@ class Sequence:
     error: str | None = None
     num_cached: int = 0  # leading tokens whose KV the prefix cache already held at admission
     forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for this one's prefill
+    constraint: object | None = None  # structured outputs (notebook 18): masks its logits, reads its tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -217,6 +219,8 @@ def prefill_groups(admitted: list[Sequence], max_prefill_tokens: int, max_model_
 
 def advance(seq: Sequence, token: int) -> Output:
     """Record a sampled token: stream its text; it becomes pending, or ends the sequence (Output.finished)."""
+    if seq.constraint is not None:
+        seq.constraint.advance(token)
     text, finish = seq.text.push(token)
     if finish is not None:
         seq.output_ids.append(token)
@@ -250,6 +254,7 @@ def sample_batch(seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
         if seq.pending is not None:  # its KV was just computed: it is now part of the output
             seq.output_ids.append(seq.pending)
             seq.pending = None
+    logits = apply_constraints(logits, [seq.constraint for seq in seqs])  # -inf where a row's constraint forbids
     groups = {}
     for b, seq in enumerate(seqs):
         groups.setdefault(seq.params if seq.params.greedy else b, []).append(b)
@@ -308,7 +313,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings)
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
         self.finish_reasons: Counter[str] = Counter()  # how requests ended: stop, length, abort, error
-        self._ids = itertools.count()
+        self._ids, self.constraints = itertools.count(), Constraints(tokenizer, model.config.vocab_size)  # nb 18
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -344,17 +349,18 @@ class Engine(EngineCore):
     """A model, a paged KV cache and a scheduler: add_request, step, abort, generate."""
 
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                    stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1) -> int:
+                    stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1, response_format=None) -> int:
         """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
-        return self.submit(self.make_request(prompt_ids, params, max_new_tokens, stop, eos_token_ids, n))
+        return self.submit(self.make_request(prompt_ids, params, max_new_tokens, stop, eos_token_ids, n, response_format))
 
     def make_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1) -> Sequence:
+                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1, response_format=None) -> Sequence:
         """A checked request of n choices, not yet queued: touches no engine state, so any thread may call it."""
         def choice(params: SamplingParams | None) -> Sequence:
             ids, params, text = check_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
                                               prompt_ids, params, max_new_tokens, stop, eos_token_ids)
-            return Sequence(next(self._ids), ids, params, text, make_generator(params.seed, self.device))
+            return Sequence(next(self._ids), ids, params, text, make_generator(params.seed, self.device),
+                            constraint=self.constraints.for_format(response_format))  # nb 18: one per choice
         return with_forks([choice(p) for p in choice_params(params, n)])
 
     def submit(self, seq: Sequence) -> int:
@@ -365,8 +371,7 @@ class Engine(EngineCore):
 
     def abort(self, request_id: int) -> None:
         """Stop a request now (a client hung up) and free everything it held."""
-        seq = self.sequences.get(request_id)  # None once finished: nothing left to free
-        if seq is not None:
+        if (seq := self.sequences.get(request_id)) is not None:  # None once finished: nothing left to free
             self._finish(seq, "abort")
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,

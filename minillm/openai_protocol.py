@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from minillm.api import LLM
+from minillm.constrained import check_response_format
 from minillm.engine import Output
 from minillm.generate import check_prompt
 from minillm.sampling import SamplingParams
@@ -216,7 +217,7 @@ def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
 
 
 def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
-                  chat: bool = True) -> dict:
+                  chat: bool = True, constraints=None) -> dict:
     """Check the request against the context, OpenAI's ranges and SamplingParams; the engine's
     arguments and the options. The table in notebook 14 lists every field and its range."""
     if body.get("model", model_name) != model_name:
@@ -261,8 +262,15 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     if params.seed is not None and params.seed + best_of > 2**64:  # choice i samples with seed + i
         raise APIError(400, f"seed + best_of - 1 must be below 2**64 (choice i samples with seed + i), got seed "
                        f"{params.seed} and {best_of} choices", "seed")
+    fmt = body.get("response_format")
+    try:  # a bad format or schema is this request's 400 before any answer starts; compiled once, then kept
+        check_response_format(fmt) if constraints is None else constraints.for_format(fmt)
+    except ValueError as exc:
+        message = str(exc) if str(exc).startswith("response_format") else f"response_format: {exc}"
+        raise APIError(400, message, "response_format") from None
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
     return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": stream, "n": n,
-            "best_of": best_of, "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs}
+            "best_of": best_of, "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs,
+            "response_format": fmt}

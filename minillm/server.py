@@ -125,11 +125,11 @@ class AsyncEngine(EngineThread):
     closed = False  # set by end_all: the server is shutting down, add refuses (503)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stop: list[str],
-            n: int = 1) -> tuple[list[int], asyncio.Queue]:
+            n: int = 1, response_format: dict | None = None) -> tuple[list[int], asyncio.Queue]:
         """Queue a request for n choices (call from the event loop): their ids, the queue of their Outputs."""
         if self.closed:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
-        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, n=n)  # bad: ValueError, nothing queued
+        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, None, n, response_format)  # bad: ValueError
         rids = [seq.id] + [fork.id for fork in seq.forks]
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -175,7 +175,7 @@ async def collect_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: di
     """The whole answer as one JSON object: its n choices (the n best of best_of). A client that hangs
     up is noticed within half a second (nothing is written to it until the end, so only asking tells)
     and its request is aborted."""
-    rids, outputs = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["best_of"])
+    rids, outputs = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["best_of"], req["response_format"])
     index = {rid: i for i, rid in enumerate(rids)}
     texts, lps, finish = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
     asked = time.monotonic()
@@ -211,7 +211,7 @@ async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dic
     `record.end` ends the request (its in-flight count and limits), whichever way the stream ends."""
     pending, status, n = set(), 499, 0  # 499 (client closed) unless the stream reaches its end
     try:
-        rids, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["n"])
+        rids, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["n"], req["response_format"])
         pending, replies = set(rids), {rid: reply.at(i) for i, rid in enumerate(rids)}
         for one in replies.values() if reply.chat else ():
             yield one.opening()
@@ -309,7 +309,7 @@ def completion_handler(llm: LLM, engine: AsyncEngine, gate: Gate, context: int, 
         try:
             body = await read_json(request, max_body_bytes)
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
-            req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat)
+            req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat, engine.engine.constraints)
             reply = Reply(chat, model_name, len(ids))
             record.begin(reply.head["id"], len(ids))
             if not req["stream"]:

@@ -1,0 +1,125 @@
+"""Structured outputs through the server and the engine: response_format on /v1/chat/completions and
+/v1/completions, the openai client's parse() with a pydantic model, streamed and not, constrained and
+free requests in one batch, and a 400 naming what is wrong with a bad format."""
+
+import json
+import threading
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from minillm.api import load
+from minillm.engine import Engine
+from minillm.generate import generate
+from minillm.sampling import SamplingParams
+from minillm.server import BackgroundServer, create_app
+
+MODEL = "smollm2"
+POINT = {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+         "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99},
+                        "y": {"type": "integer", "minimum": -99, "maximum": 99}}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT}}
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return load(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    background = BackgroundServer(create_app(llm, model_name=MODEL, num_blocks=128))
+    yield openai.OpenAI(base_url=background.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    background.stop()
+
+
+def ask(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_parse_with_a_pydantic_model(client):
+    """The openai client's parse(): it sends the model's JSON schema and parses the answer back."""
+    done = client.chat.completions.parse(model=MODEL, messages=ask("Name a city and its country."),
+                                         response_format=City, max_tokens=60, temperature=1.0, seed=4)
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and city.name and done.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_streamed_and_whole(client):
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, messages=ask("Give a point."), response_format=FORMAT, max_tokens=40,
+                      temperature=1.0, seed=1, n=2)
+        if stream:
+            texts = ["", ""]
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    texts[choice.index] += choice.delta.content or ""
+        else:
+            texts = [c.message.content for c in client.chat.completions.create(**kwargs).choices]
+        for text in texts:  # each of the n choices has its own constraint
+            jsonschema.validate(json.loads(text), POINT)
+
+
+def test_json_object_on_completions(client):
+    """OpenAI's completions take no response_format; vLLM's do, and clients send it as extra_body."""
+    done = client.completions.create(model=MODEL, prompt="JSON: {\"a\": 1}\nJSON:", max_tokens=60,
+                                     temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    assert done.choices[0].finish_reason == "stop" and isinstance(json.loads(done.choices[0].text), dict)
+
+
+def test_constrained_and_free_requests_share_a_batch(client, llm):
+    """Free greedy answers sent together with constrained ones equal offline generation: the masks
+    touch their own rows only."""
+    questions = ["Name a fruit.", "Say hello.", "Name a colour.", "What is 2 + 2?"]
+    free, constrained = {}, {}
+
+    def one(q, i):
+        if i % 2:
+            r = client.chat.completions.create(model=MODEL, messages=ask(q), max_tokens=8, temperature=0)
+            free[q] = r.choices[0].message.content
+        else:
+            r = client.chat.completions.create(model=MODEL, messages=ask(q + " As a point."), max_tokens=40,
+                                               temperature=0, response_format=FORMAT)
+            constrained[q] = r.choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(q, i)) for i, q in enumerate(questions * 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for q, text in free.items():
+        assert text == generate(llm.model, llm.tokenizer, llm.encode_chat(ask(q)), max_new_tokens=8).text
+    for text in constrained.values():
+        jsonschema.validate(json.loads(text), POINT)
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "xml"}, "response_format must be"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema needs"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "date"}}}, "date"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/missing"}}}, "missing")])
+def test_bad_response_formats_are_400s_naming_the_problem(client, fmt, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=4, response_format=fmt)
+    body = err.value.body
+    assert body["param"] == "response_format" and words in body["message"], body
+
+
+def test_engine_gives_each_choice_its_own_constraint(llm):
+    engine = Engine(llm.model, llm.tokenizer, num_blocks=64)
+    ids = llm.encode_chat(ask("Give a point."))
+    out = engine.generate([ids, ids], [SamplingParams(temperature=1.0, seed=s) for s in (0, 1)], 40,
+                          response_format=FORMAT)
+    for r in out:
+        jsonschema.validate(json.loads(r["text"]), POINT)
+    with pytest.raises(ValueError, match="date"):  # refused at add_request, for this request only
+        engine.add_request(ids, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "date"}}})
+    assert not engine.has_unfinished()
