@@ -8,6 +8,7 @@
     python -m minillm generate "Hi" --quantize int4 --group-size 32   # int4 weights (notebook 13)
     python -m minillm generate "Hi" --fast --quantize int4            # the fast path (notebook 15)
     python -m minillm generate "Hi" --speculative int4 --num-draft 4  # speculative decoding (notebook 17)
+    python -m minillm generate "A city?" --json-schema city.json      # JSON that always parses (notebook 18)
 
 The default model is the embedded SmolLM2-135M-Instruct GGUF (offline); --model takes a hub
 id, a model folder or a .gguf file.
@@ -16,12 +17,14 @@ id, a model folder or a .gguf file.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections import Counter
 from pathlib import Path
 
 from minillm.api import load
+from minillm.constrained import check_response_format
 from minillm.embedded import embedded_gguf_path
 from minillm.generate import stream
 from minillm.gguf_file import read_gguf
@@ -117,6 +120,23 @@ def _check_speculative(args) -> None:
         raise ValueError(f"--num-draft must be >= 1, got {args.num_draft}")
 
 
+def _response_format(args) -> dict | None:
+    """--json (any JSON object) or --json-schema (a schema as JSON text, or a .json file); checked before
+    the model loads."""
+    fmt = {"type": "json_object"} if args.json else None
+    if args.json_schema is not None:
+        path = Path(args.json_schema)
+        text = path.read_text() if path.suffix == ".json" and path.is_file() else args.json_schema
+        try:
+            fmt = {"type": "json_schema", "json_schema": {"name": "cli", "schema": json.loads(text)}}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-schema takes a JSON schema or a .json file: {exc}") from None
+    if fmt is not None and args.speculative is not None:
+        raise ValueError("--json and --json-schema cannot be combined with --speculative")
+    check_response_format(fmt)
+    return fmt
+
+
 def _drafter(llm, args):
     """The drafter of --speculative (built once per session): int4, ngram, or a draft model to load."""
     if args.speculative is None:
@@ -126,11 +146,12 @@ def _drafter(llm, args):
     return llm.drafter(load(args.speculative, dtype=args.dtype, device=args.device))
 
 
-def _print_stream(llm, prompt_ids, args, params, drafter=None) -> tuple[str, object]:
+def _print_stream(llm, prompt_ids, args, params, drafter=None, fmt=None) -> tuple[str, object]:
     """Stream one answer to stdout; Ctrl-C stops it cleanly. Returns (text, metrics or None)."""
     pieces, metrics, stats = [], None, SpeculationStats()
     limits = dict(params=params, max_new_tokens=args.max_new_tokens, stop=args.stop)
-    steps = (stream(llm.model, llm.tokenizer, prompt_ids, **limits) if drafter is None else
+    constraint = llm.constraints.for_format(fmt)  # a fresh one per answer; None for free text
+    steps = (stream(llm.model, llm.tokenizer, prompt_ids, constraint=constraint, **limits) if drafter is None else
              speculative_stream(llm.model, llm.tokenizer, prompt_ids, drafter, num_draft=args.num_draft or 4,
                                 stats=stats, **limits))
     try:
@@ -149,18 +170,20 @@ def _print_stream(llm, prompt_ids, args, params, drafter=None) -> tuple[str, obj
 def cmd_generate(args) -> int:
     params = _params(args)  # bad flags fail before the model loads
     _check_speculative(args)
+    fmt = _response_format(args)
     llm = _load(args)
     if args.raw or not llm.tokenizer.chat_template:
         ids = llm.tokenizer.encode(args.prompt)
     else:
         ids = llm.encode_chat(_messages(args, args.prompt))
-    _print_stream(llm, ids, args, params, _drafter(llm, args))
+    _print_stream(llm, ids, args, params, _drafter(llm, args), fmt)
     return 0
 
 
 def cmd_chat(args) -> int:
     params = _params(args)
     _check_speculative(args)
+    fmt = _response_format(args)
     llm = _load(args)
     drafter = _drafter(llm, args)
     print(f"minillm chat with {args.model or 'the embedded SmolLM2-135M-Instruct'} "
@@ -184,7 +207,7 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         print("assistant> ", end="", flush=True)
         try:
-            answer, _ = _print_stream(llm, llm.encode_chat(history), args, params, drafter)
+            answer, _ = _print_stream(llm, llm.encode_chat(history), args, params, drafter, fmt)
         except ValueError as exc:  # e.g. the conversation outgrew the context: say so, keep the session
             print(f"minillm: error: {exc} (use /reset)", file=sys.stderr)
             history.pop()
@@ -261,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "model's own int4 fast path drafts), ngram (prompt lookup), or a draft model with the "
                             "same tokenizer (hub id, folder or .gguf)")
         p.add_argument("--num-draft", type=int, metavar="N", help="tokens drafted per round, at most (default: 4)")
+        p.add_argument("--json", action="store_true", help="answer with a JSON object, always (notebook 18)")
+        p.add_argument("--json-schema", metavar="SCHEMA",
+                       help="answer with JSON following this schema (JSON text or a .json file), always")
     return parser
 
 

@@ -4,6 +4,7 @@ traceback."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 import sys
@@ -109,13 +110,31 @@ def test_generate_with_speculation_gives_the_plain_answer():
     assert "[speculative: " in fast.stderr and "tokens per forward" in fast.stderr
 
 
+def test_generate_with_a_json_schema_always_parses(tmp_path):
+    schema = {"type": "object", "required": ["city", "country"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}
+    path = tmp_path / "city.json"
+    path.write_text(json.dumps(schema))
+    for flag in (str(path), json.dumps(schema)):  # a file or the schema itself
+        result = run_cli("generate", "Name a city.", "--temperature", "1", "--seed", "3", "--max-new-tokens", "60",
+                         "--device", "cpu", "--json-schema", flag)
+        assert result.returncode == 0, result.stderr
+        answer = json.loads(result.stdout)
+        assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
+    bad = run_cli("generate", "hi", "--device", "cpu", "--json-schema", '{"type": "date"}')
+    assert bad.returncode == 2 and "date" in bad.stderr and "Traceback" not in bad.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--num-draft", "3"], "--num-draft applies to --speculative"),
+    (["--json", "--speculative", "ngram"], "cannot be combined with --speculative"),
+    (["--json-schema", "{not json"], "--json-schema takes a JSON schema or a .json file"),
     (["--speculative", "int4", "--num-draft", "0"], "--num-draft must be >= 1, got 0"),
     (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
     (["--seed", str(2**70)], "seed must be an int in [-2**63, 2**64)"),
     (["--model", "data/tiny-llama"], "tokenizer not found"),  # weights there, no tokenizer: found before loading
-], ids=["num-draft alone", "num-draft 0", "max-new-tokens", "seed", "no tokenizer"])
+], ids=["num-draft alone", "json and speculative", "json-schema not json", "num-draft 0", "max-new-tokens",
+        "seed", "no tokenizer"])
 def test_bad_flags_fail_before_the_model_loads(args, message):
     t0 = time.monotonic()
     result = run_cli("generate", "hi", "--device", "cpu", *args)
