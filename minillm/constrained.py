@@ -22,7 +22,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from minillm.grammar import DFA, UnsupportedSchema, schema_pattern
+from minillm.grammar import DFA, UnsupportedSchema, lit, schema_pattern, seq
 
 
 class Vocabulary:
@@ -103,24 +103,44 @@ class GuidanceConstraint:
         self.matcher.consume_token(token_id)
 
 
-def check_response_format(response_format) -> dict | None:
-    """OpenAI's response_format (or a pydantic model class) -> the JSON schema to follow, or None for
-    free text; ValueError naming what is wrong."""
+def check_response_format(response_format) -> tuple[dict, str, str] | None:
+    """OpenAI's response_format (or a pydantic model class) -> (schema, prefix, suffix): the JSON to write
+    and the fixed text around it, or None for free text; ValueError naming what is wrong. minillm's own
+    type "tool_call" ({"schema", "prefix", "suffix"}) is how minillm/tools.py forces a function call."""
     if response_format is None:
         return None
     if hasattr(response_format, "model_json_schema"):  # a pydantic model, as the openai client's parse() takes
-        return response_format.model_json_schema()
-    if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object", "json_schema"):
+        return response_format.model_json_schema(), "", ""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in ("text", "json_object", "json_schema", "tool_call"):
         raise ValueError(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, "
                          f"got {response_format!r}")
-    if response_format["type"] == "text":
+    if kind == "text":
         return None
-    if response_format["type"] == "json_object":
-        return {"type": "object"}
-    spec = response_format.get("json_schema")
+    if kind == "json_object":
+        return {"type": "object"}, "", ""
+    spec = response_format if kind == "tool_call" else response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise ValueError("response_format json_schema needs {'name': ..., 'schema': {...}}")
-    return spec["schema"]
+    return spec["schema"], str(response_format.get("prefix", "")), str(response_format.get("suffix", ""))
+
+
+def guidance_grammar(schema: dict, prefix: str, suffix: str, lltokenizer) -> str:
+    """llguidance's grammar for JSON following `schema`, with json.dumps' separators, between two fixed
+    texts (a Lark grammar around llguidance's %json when there are any); UnsupportedSchema naming the problem."""
+    try:
+        if prefix or suffix:
+            body = json.dumps({**schema, "x-guidance": {"item_separator": ", ", "key_separator": ": ",
+                                                        "whitespace_flexible": False}})
+            grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {json.dumps(prefix)} %json {body} {json.dumps(suffix)}")
+        else:
+            grammar = llguidance.JsonCompiler(separators=(", ", ": ")).compile(json.dumps(schema))  # keys in order
+    except ValueError as exc:  # llguidance names the keyword or the pointer it could not follow
+        raise UnsupportedSchema(f"schema not supported: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
+    if error:
+        raise UnsupportedSchema(f"schema not supported: {error}")
+    return grammar
 
 
 class Constraints:
@@ -136,30 +156,24 @@ class Constraints:
         self.compiled: dict[str, object] = {}
         self._vocabulary = self._lltokenizer = None
 
-    def for_schema(self, schema: dict):
-        """A fresh constraint at the start of `schema`; UnsupportedSchema or ValueError naming what is wrong."""
-        key = json.dumps(schema, sort_keys=True)
+    def for_schema(self, schema: dict, prefix: str = "", suffix: str = ""):
+        """A fresh constraint for prefix + JSON following `schema` + suffix; UnsupportedSchema or
+        ValueError naming what is wrong."""
+        key = json.dumps([schema, prefix, suffix], sort_keys=True)
         if self.backend == "minillm":
             if key not in self.compiled:
                 self._vocabulary = self._vocabulary or Vocabulary(self.tokenizer, self.vocab_size)
-                self.compiled[key] = (DFA(schema_pattern(schema)), {})
+                self.compiled[key] = (DFA(seq(lit(prefix), schema_pattern(schema), lit(suffix))), {})
             dfa, masks = self.compiled[key]
             return JSONConstraint(dfa, self._vocabulary, masks)
         if self._lltokenizer is None:
             self._lltokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                                        eos_token=list(self.tokenizer.eos_token_ids))
         if key not in self.compiled:
-            try:
-                grammar = llguidance.JsonCompiler(separators=(", ", ": ")).compile(json.dumps(schema))  # keys in order
-            except ValueError as exc:  # llguidance names the keyword or the pointer it could not follow
-                raise UnsupportedSchema(f"schema not supported: {exc}") from None
-            error = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer)
-            if error:
-                raise UnsupportedSchema(f"schema not supported: {error}")
-            self.compiled[key] = grammar
+            self.compiled[key] = guidance_grammar(schema, prefix, suffix, self._lltokenizer)
         return GuidanceConstraint(llguidance.LLMatcher(self._lltokenizer, self.compiled[key]), self.vocab_size)
 
     def for_format(self, response_format):
         """The constraint of an OpenAI response_format, or None for free text."""
-        schema = check_response_format(response_format)
-        return None if schema is None else self.for_schema(schema)
+        spec = check_response_format(response_format)
+        return None if spec is None else self.for_schema(*spec)

@@ -22,6 +22,7 @@ from minillm.constrained import check_response_format
 from minillm.engine import Output
 from minillm.generate import check_prompt
 from minillm.sampling import SamplingParams
+from minillm.tools import call_format, check_tools, parse_tool_calls, template_messages
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -57,8 +58,8 @@ def sse(data) -> str:
 class Reply:
     """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
 
-    def __init__(self, chat: bool, model_name: str, prompt_tokens: int):
-        self.chat, self.prompt_tokens, self.index = chat, prompt_tokens, 0
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: bool = False):
+        self.chat, self.prompt_tokens, self.index, self.tools, self.held = chat, prompt_tokens, 0, tools, ""
         self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
@@ -77,6 +78,8 @@ class Reply:
         if not self.chat:
             return {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish}
         message = {"content": text} if delta else {"role": "assistant", "content": text}
+        if self.tools and finish is not None:  # the whole text: <tool_call> blocks become tool_calls
+            finish = with_tool_calls(message, text, finish, delta)
         lp = {"content": logprobs} if logprobs is not None else None
         return {"index": self.index, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
 
@@ -153,8 +156,51 @@ def _text(value, what: str, param: str) -> str:
     return value
 
 
-def chat_prompt(llm: LLM, messages) -> list[int]:
-    """Token ids of chat messages through the model's chat template; 400 naming what is wrong."""
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's tool_calls, as a client sends them back: [] for none; 400 naming the message."""
+    if calls is None:
+        return []
+    try:
+        ok = isinstance(calls, list) and all(isinstance(c["function"]["name"], str) and
+                                             isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise APIError(400, f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', 'function': "
+                       "{'name', 'arguments': a JSON object as a string}}", "messages")
+    return [{"id": c.get("id"), "type": "function", "function": dict(c["function"])} for c in calls]
+
+
+def offered_tools(body: dict, chat: bool) -> tuple[list[dict], str | dict]:
+    """The request's tools and tool_choice, checked (minillm/tools.py); 400 naming the field."""
+    if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
+        raise APIError(400, "tools are supported on /v1/chat/completions only", "tools")
+    try:
+        return check_tools(body.get("tools"), body.get("tool_choice"))
+    except ValueError as exc:
+        raise APIError(400, str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
+
+
+def with_tool_calls(message: dict, text: str, finish: str, delta: bool) -> str:
+    """Split an answer's whole text into the message's content and tool_calls (a delta's carry their
+    index); the finish_reason is "tool_calls" when there are any."""
+    message["content"], calls = parse_tool_calls(text)
+    if not calls:
+        return finish
+    message["tool_calls"] = [{**c, "index": k} for k, c in enumerate(calls)] if delta else calls
+    return "tool_calls"
+
+
+def held_events(out: Output, reply: Reply) -> list[str]:
+    """output_events for a streamed answer that offered tools: its text is held to the end, since only
+    then is it known whether it is content or calls; then one chunk with either, and the finish."""
+    reply.held += out.text
+    return [reply.chunk([reply.choice(reply.held, out.finish_reason, None, delta=True)])] if out.finished else []
+
+
+def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
+    """Token ids of chat messages (and the tools offered) through the model's chat template; 400 naming
+    what is wrong. Tools: the template's own rendering if it has one, else minillm/tools.py's."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
     clean = []
@@ -162,14 +208,19 @@ def chat_prompt(llm: LLM, messages) -> list[int]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise APIError(400, f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", "messages")
         content = m.get("content")
+        calls = _tool_calls(m.get("tool_calls"), i) if m["role"] == "assistant" else []
+        content = "" if content is None and calls else content
         if isinstance(content, list):  # content parts: keep the text ones
             parts = [p for p in content if isinstance(p, dict) and p.get("type") == "text"]
             content = "".join(_text(p.get("text"), f"messages[{i}].content[].text", "messages") for p in parts)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-        clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages")})
+        clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages"),
+                      **({"tool_calls": calls} if calls else {})})
+    has_tools = "tools" in (llm.tokenizer.chat_template or "")
     try:
-        return llm.encode_chat(clean)
+        return llm.encode_chat(template_messages(clean, list(tools), has_tools),
+                               **({"tools": list(tools)} if tools and has_tools else {}))
     except Exception as exc:  # the template may reject a conversation (e.g. roles out of order)
         raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
 
@@ -177,7 +228,8 @@ def chat_prompt(llm: LLM, messages) -> list[int]:
 def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
     """The prompt ids: the chat template over `messages`, or the text of `prompt`."""
     if chat:
-        return chat_prompt(llm, body.get("messages"))
+        tools, choice = offered_tools(body, chat)
+        return chat_prompt(llm, body.get("messages"), tools if choice != "none" else [])
     prompt = body.get("prompt")
     prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
     if not isinstance(prompt, str) or not prompt:
@@ -262,7 +314,11 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     if params.seed is not None and params.seed + best_of > 2**64:  # choice i samples with seed + i
         raise APIError(400, f"seed + best_of - 1 must be below 2**64 (choice i samples with seed + i), got seed "
                        f"{params.seed} and {best_of} choices", "seed")
-    fmt = body.get("response_format")
+    fmt, (tools, choice) = body.get("response_format"), offered_tools(body, chat)
+    if call_format(tools, choice) is not None:  # a call is required: the grammar writes its frame
+        if fmt is not None:
+            raise APIError(400, "response_format cannot be combined with a required tool_choice", "response_format")
+        fmt = call_format(tools, choice)
     try:  # a bad format or schema is this request's 400 before any answer starts; compiled once, then kept
         check_response_format(fmt) if constraints is None else constraints.for_format(fmt)
     except ValueError as exc:
@@ -273,4 +329,4 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
         raise APIError(400, "stream_options must be an object", "stream_options")
     return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": stream, "n": n,
             "best_of": best_of, "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs,
-            "response_format": fmt}
+            "response_format": fmt, "tools": bool(tools) and choice != "none"}

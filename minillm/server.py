@@ -35,8 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.api import LLM
 from minillm.engine import Engine, Output
-from minillm.openai_protocol import (APIError, Reply, best_choices, output_events, parse_request, read_json,
-                                      read_prompt, sse, token_logprobs)
+from minillm.openai_protocol import (APIError, Reply, best_choices, held_events, output_events, parse_request,
+                                      read_json, read_prompt, sse, token_logprobs)
 from minillm.sampling import SamplingParams
 from minillm.server_ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
                                 check_seconds, configure_access_log)
@@ -220,7 +220,7 @@ async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dic
             reply = replies[out.request_id]  # this choice's view: its chunks carry its index
             record.output(reply.index, out)
             n += out.token_id is not None
-            for event in output_events(out, reply, tokenizer, req["logprobs"]):
+            for event in held_events(out, reply) if reply.tools else output_events(out, reply, tokenizer, req["logprobs"]):
                 yield event
             if out.finished:
                 pending.discard(out.request_id)
@@ -310,7 +310,7 @@ def completion_handler(llm: LLM, engine: AsyncEngine, gate: Gate, context: int, 
             body = await read_json(request, max_body_bytes)
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
             req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat, engine.engine.constraints)
-            reply = Reply(chat, model_name, len(ids))
+            reply = Reply(chat, model_name, len(ids), req["tools"])
             record.begin(reply.head["id"], len(ids))
             if not req["stream"]:
                 answer = await collect_answer(engine, llm.tokenizer, ids, req, reply, request, record)

@@ -123,3 +123,80 @@ def test_engine_gives_each_choice_its_own_constraint(llm):
         engine.add_request(ids, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "date"}}})
     assert not engine.has_unfinished()
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 30}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                   "properties": {"zone": {"type": "string", "maxLength": 30}}}}}
+TOOLS = {t["function"]["name"]: t["function"] for t in (WEATHER, CLOCK)}
+
+
+def valid_call(call) -> bool:
+    function = TOOLS[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), function["parameters"])
+    return call.id.startswith("call_") and call.type == "function"
+
+
+def test_required_tool_call_round_trip(client):
+    """Two tools, tool_choice="required": a valid call, whole and streamed; then the tool's result
+    goes back and the conversation continues."""
+    chat = ask("What is the weather in Paris?")
+    done = client.chat.completions.create(model=MODEL, messages=chat, tools=[WEATHER, CLOCK], tool_choice="required",
+                                          max_tokens=60, temperature=0)
+    message, finish = done.choices[0].message, done.choices[0].finish_reason
+    assert finish == "tool_calls" and message.tool_calls and all(valid_call(c) for c in message.tool_calls)
+    calls = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=chat, tools=[WEATHER, CLOCK], stream=True,
+                                                tool_choice="required", max_tokens=60, temperature=0):
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            calls[delta_call.index] = delta_call
+    assert calls and all(valid_call(c) for c in calls.values())
+    assert [c.function.arguments for c in calls.values()] == [c.function.arguments for c in message.tool_calls]
+    follow = chat + [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 degrees, light rain"}]
+    answer = client.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER, CLOCK], max_tokens=30,
+                                            temperature=0)
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_named_tool_choice_calls_that_function(client):
+    done = client.chat.completions.create(model=MODEL, messages=ask("What time is it in Tokyo?"), tools=[WEATHER, CLOCK],
+                                          tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                          max_tokens=60, temperature=0)
+    (call,) = done.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and valid_call(call)
+
+
+def test_without_tool_choice_the_answer_is_text_or_calls(client):
+    """auto: nothing is forced; whatever came back is either content or well-formed calls."""
+    done = client.chat.completions.create(model=MODEL, messages=ask("Hello!"), tools=[WEATHER], max_tokens=20,
+                                          temperature=0)
+    message = done.choices[0].message
+    assert message.content or all(valid_call(c) for c in message.tool_calls)
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "cannot be combined"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+                                                                                      "arguments": "[1]"}}]}]},
+     "messages", "tool_calls")])
+def test_bad_tools_are_400s_naming_the_field(client, extra, param, words):
+    body = {"model": MODEL, "messages": ask("hi"), "max_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.post("/chat/completions", body=body, cast_to=object)
+    assert err.value.body["param"] == param and words in err.value.body["message"], err.value.body
+
+
+def test_tools_on_text_completions_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"tools": [WEATHER]})
+    assert err.value.body["param"] == "tools"

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
 
 LAYERS = {  # bottom to top: a module imports from its own layer or the ones below, never above
-    "primitives": {"tensor", "devices", "grammar", "constrained", "gguf_file", "chat_template", "attention", "rope", "layers", "sampling", "tokenizer", "embedded", "diagram"},
+    "primitives": {"tensor", "devices", "grammar", "constrained", "tools", "gguf_file", "chat_template", "attention", "rope", "layers", "sampling", "tokenizer", "embedded", "diagram"},
     "model and storage": {"model", "kv_cache", "paged_cache", "hub", "weights", "quant"},
     "runtime": {"fast", "generate", "engine", "evaluate", "speculative"},
     "front doors": {"api", "server", "server_ops", "openai_protocol", "__main__", "bench", "bench_engine", "bench_speculative", "roofline", "check", "check_harness", "check_model", "check_loading", "check_serving", "check_explore", "check_engine", "check_first_versions", "check_speculative",
