@@ -26,6 +26,7 @@ from minillm.sampling import SamplingParams
 from minillm.speculative import ModelDrafter, NgramDrafter, int4_drafter
 from minillm.speculative import stream as speculative_stream
 from minillm.tokenizer import Tokenizer
+from minillm.tools import call_format, check_tools, encode_with_tools, parse_tool_calls
 from minillm.weights import load_model
 
 
@@ -60,12 +61,11 @@ class LLM:
         return collect(self._steps(self.tokenizer.encode(prompt), params, speculative, **kwargs))
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, speculative=None,
-             **kwargs) -> Completion:
+             tools: list[dict] | None = None, tool_choice=None, **kwargs) -> Completion:
         """Answer chat messages ([{"role": "user", "content": ...}, ...]) through the chat template.
-
-        response_format= (chat, generate and stream): OpenAI's {"type": "json_schema", "json_schema":
-        {"name": ..., "schema": {...}}} or {"type": "json_object"}, or a pydantic model class: the
-        answer then always parses (notebook 18)."""
+        response_format= (also generate, stream), tools and tool_choice: OpenAI's (notebook 18)."""
+        if tools is not None or tool_choice is not None:
+            return chat_with_tools(self, messages, params, speculative, tools, tool_choice, **kwargs)
         return collect(self._steps(self.encode_chat(messages), params, speculative, **kwargs))
 
     def stream(self, prompt_or_messages, params: SamplingParams | None = None, speculative=None,
@@ -89,6 +89,22 @@ def make_drafter(model, speculative):
     if speculative == "int4":
         return int4_drafter(model)
     return ModelDrafter(speculative.model) if isinstance(speculative, LLM) else speculative
+
+
+def chat_with_tools(llm: LLM, messages: Sequence[dict], params, speculative, tools, tool_choice, **kwargs) -> Completion:
+    """LLM.chat offering tools: a required call (tool_choice "required" or a named function) is
+    forced by a grammar; the calls are returned in tool_calls, the other text as the text."""
+    tools, choice = check_tools(tools, tool_choice)
+    forced = call_format(tools, choice)
+    if forced is not None and kwargs.get("response_format") is not None:
+        raise ValueError("response_format cannot be combined with a required tool_choice")
+    ids = encode_with_tools(llm.tokenizer, list(messages), tools if choice != "none" else [])
+    completion = collect(llm._steps(ids, params, speculative, **{**kwargs, "response_format": forced or
+                                                                   kwargs.get("response_format")}))
+    if choice != "none":
+        text, completion.tool_calls = parse_tool_calls(completion.text)
+        completion.text = text or ""
+    return completion
 
 
 def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,

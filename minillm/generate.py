@@ -155,6 +155,7 @@ class Completion:
     finish_reason: str
     metrics: Metrics
     logprobs: list[float] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)  # LLM.chat(tools=...): OpenAI's tool calls (notebook 18)
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from minillm.constrained import check_response_format
 from minillm.engine import Output
 from minillm.generate import check_prompt
 from minillm.sampling import SamplingParams
-from minillm.tools import call_format, check_tools, parse_tool_calls, template_messages
+from minillm.tools import call_format, check_tools, encode_with_tools, parse_tool_calls
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -217,10 +217,8 @@ def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages"),
                       **({"tool_calls": calls} if calls else {})})
-    has_tools = "tools" in (llm.tokenizer.chat_template or "")
     try:
-        return llm.encode_chat(template_messages(clean, list(tools), has_tools),
-                               **({"tools": list(tools)} if tools and has_tools else {}))
+        return encode_with_tools(llm.tokenizer, clean, list(tools))
     except Exception as exc:  # the template may reject a conversation (e.g. roles out of order)
         raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
 

@@ -94,6 +94,14 @@ def template_messages(messages: list[dict], tools: list[dict], template_has_tool
     return out
 
 
+def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
+    """Prompt ids of a chat that offers `tools`: the template renders them if it can, else the messages
+    carry them (template_messages)."""
+    has_tools = "tools" in (tokenizer.chat_template or "")
+    extra = {"tools": tools} if tools and has_tools else {}
+    return tokenizer.apply_chat_template(template_messages(messages, tools, has_tools), **extra)
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of an answer: each <tool_call> block that holds {"name", "arguments"} as
     JSON becomes an OpenAI tool call (arguments as a JSON string); the rest of the text is the content."""

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from minillm.api import LLM
 from minillm.chat_template import render_chat
 from minillm.constrained import Constraints
 from minillm.grammar import DFA, schema_pattern
@@ -79,3 +80,20 @@ def test_check_tools_names_the_problem(tools, choice, words):
     with pytest.raises(ValueError) as err:
         check_tools(tools, choice)
     assert words in str(err.value)
+
+
+def test_llm_chat_with_tools(smollm2):
+    """LLM.chat(tools=..., tool_choice="required"): a forced call, parsed into tool_calls; then the
+    result goes back in a tool message and the answer is text."""
+    llm = LLM(*smollm2)
+    chat = [{"role": "user", "content": "What is 2 plus 3?"}]
+    done = llm.chat(chat, tools=[ADD, NOW], tool_choice="required", max_new_tokens=40)
+    (call,) = done.tool_calls
+    assert call["function"]["name"] in ("add", "now") and done.text == "" and done.finish_reason == "stop"
+    json.loads(call["function"]["arguments"])
+    chat += [{"role": "assistant", "content": None, "tool_calls": done.tool_calls},
+             {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+    answer = llm.chat(chat, tools=[ADD, NOW], tool_choice="none", max_new_tokens=20)
+    assert answer.text and answer.tool_calls == []
+    with pytest.raises(ValueError, match="cannot be combined"):
+        llm.chat(chat, tools=[ADD], tool_choice="required", response_format={"type": "json_object"})
