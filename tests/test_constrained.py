@@ -204,8 +204,8 @@ def test_a_pydantic_model_is_a_response_format():
         x: float
         y: float
 
-    schema = check_response_format(Point)
-    assert schema["required"] == ["x", "y"] and schema["properties"]["x"]["type"] == "number"
+    schema, prefix, suffix = check_response_format(Point)
+    assert prefix == suffix == "" and schema["required"] == ["x", "y"] and schema["properties"]["x"]["type"] == "number"
 
 
 @pytest.mark.parametrize("schema, feature", [
