@@ -149,7 +149,7 @@ PROMPTS = {"person": "Describe a person.", "team": "Describe a small team.", "re
            "flags": "Report a status.", "point": "Give a point on a map."}
 
 
-def sampled(smollm2, name, constraints, n, max_new_tokens=160):
+def sampled(smollm2, name, constraints, n, max_new_tokens=256):  # room to spare for long sampled answers
     model, tok = smollm2
     prompt = tok.apply_chat_template([{"role": "user", "content": PROMPTS[name] + " Answer in JSON."}])
     outs = generate_batch(model, tok, [prompt] * n, SamplingParams(temperature=1.0, seed=0), max_new_tokens=max_new_tokens,
