@@ -313,10 +313,11 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
         raise APIError(400, f"seed + best_of - 1 must be below 2**64 (choice i samples with seed + i), got seed "
                        f"{params.seed} and {best_of} choices", "seed")
     fmt, (tools, choice) = body.get("response_format"), offered_tools(body, chat)
-    if call_format(tools, choice) is not None:  # a call is required: the grammar writes its frame
+    forced = call_format(tools, choice)  # a call is required: the grammar writes its frame
+    if forced is not None:
         if fmt is not None:
             raise APIError(400, "response_format cannot be combined with a required tool_choice", "response_format")
-        fmt = call_format(tools, choice)
+        fmt = forced
     try:  # a bad format or schema is this request's 400 before any answer starts; compiled once, then kept
         check_response_format(fmt) if constraints is None else constraints.for_format(fmt)
     except ValueError as exc:
