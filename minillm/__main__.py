@@ -28,6 +28,7 @@ from minillm.constrained import check_response_format
 from minillm.embedded import embedded_gguf_path
 from minillm.generate import stream
 from minillm.gguf_file import read_gguf
+from minillm.lora import MultiLoRA, read_adapter
 from minillm.sampling import SamplingParams
 from minillm.server import serve
 from minillm.server_ops import read_keys
@@ -91,11 +92,27 @@ def _params(args):
                           repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def _load(args):
+def _load(args, lora=None):
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size applies to --quantize int4, got --quantize {args.quantize}")
     return load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                group_size=32 if args.group_size is None else args.group_size, fast=args.fast, compile=args.compile)
+                group_size=32 if args.group_size is None else args.group_size, fast=args.fast, compile=args.compile,
+                lora=lora)
+
+
+def lora_specs(args) -> dict[str, str]:
+    """serve's --lora NAME=PATH flags as {name: folder}, checked before the model loads (notebook 19)."""
+    specs = {}
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"--lora takes NAME=PATH with a name of letters, digits, '-', '_' or '.', got {spec!r}")
+        if name in specs:
+            raise ValueError(f"--lora: the name {name!r} is given twice")
+        specs[name] = path
+    if specs and (args.fast or args.quantize):
+        raise ValueError("--lora serves adapters beside the float model's linears: drop --fast and --quantize")
+    return specs
 
 
 def _add_weight_flags(p: argparse.ArgumentParser) -> None:
@@ -171,7 +188,7 @@ def cmd_generate(args) -> int:
     params = _params(args)  # bad flags fail before the model loads
     _check_speculative(args)
     fmt = _response_format(args)
-    llm = _load(args)
+    llm = _load(args, args.lora)
     if args.raw or not llm.tokenizer.chat_template:
         ids = llm.tokenizer.encode(args.prompt)
     else:
@@ -184,7 +201,7 @@ def cmd_chat(args) -> int:
     params = _params(args)
     _check_speculative(args)
     fmt = _response_format(args)
-    llm = _load(args)
+    llm = _load(args, args.lora)
     drafter = _drafter(llm, args)
     print(f"minillm chat with {args.model or 'the embedded SmolLM2-135M-Instruct'} "
           "(/reset starts over, /exit or Ctrl-D quits)")
@@ -219,7 +236,11 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     keys = read_keys(args.api_key, args.api_key_file, os.environ)  # before loading: a bad key fails fast
+    specs = lora_specs(args)
+    adapters = {name: read_adapter(path) for name, path in specs.items()}  # a bad adapter fails fast too
     llm = _load(args)
+    if adapters:  # notebook 19: requests pick one with model="<name>:<adapter>"
+        llm.model = MultiLoRA(llm.model, adapters)
     name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model
                                       else "smollm2-135m-instruct")
     print(f"minillm: serving {name} at http://{args.host}:{args.port}/v1 with {len(keys) or 'no'} API key(s) "
@@ -260,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", default="-", metavar="PATH",
                        help="one JSON line per request: '-' stderr (default), a file, or 'off'")
     _add_weight_flags(serve)
+    serve.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                       help="serve a PEFT LoRA adapter beside the model (repeatable); a request picks it with "
+                            "model='<served model>:NAME' (notebook 19)")
     for name, help_text in (("generate", "answer one prompt, streaming"), ("chat", "interactive chat, streaming")):
         p = sub.add_parser(name, help=help_text)
         if name == "generate":
@@ -269,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
         p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
         _add_weight_flags(p)
+        p.add_argument("--lora", metavar="PATH", help="a PEFT LoRA adapter's folder, merged into the weights (notebook 19)")
         p.add_argument("--system", help="a system prompt")
         p.add_argument("--max-new-tokens", type=int, default=256)
         p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")

@@ -20,6 +20,7 @@ from minillm.embedded import embedded_gguf_path
 from minillm.fast import FastCausalLM
 from minillm.generate import Completion, Step, collect, stream
 from minillm.hub import download
+from minillm.lora import merge_adapter, read_adapter
 from minillm.model import CausalLM
 from minillm.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
 from minillm.sampling import SamplingParams
@@ -109,13 +110,15 @@ def chat_with_tools(llm: LLM, messages: Sequence[dict], params, speculative, too
 
 def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
          device: str | torch.device | None = None, quantize: str | None = None, group_size: int = 32,
-         fast: bool = False, compile: bool = False) -> LLM:
+         fast: bool = False, compile: bool = False, lora: str | Path | None = None) -> LLM:
     """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct.
 
     quantize (notebook 13): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
     the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1 blocks quantized (CPU).
-    fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too."""
-    _check_options(quantize, group_size, fast, compile)  # before any work (Plumbing, below)
+    fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too.
+    lora (notebook 19): a PEFT LoRA adapter's folder, merged into the float weights before the options."""
+    _check_options(quantize, group_size, fast, compile, lora)  # before any work (Plumbing, below)
+    adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     source = embedded_gguf_path() if model is None else model
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
@@ -127,6 +130,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
         net = load_gguf_quantized(path)  # notebook 13: the file's own 4-bit blocks, never float weights
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
+        net = net if adapter is None else merge_adapter(net, adapter)  # W + B A, then quantize or fast
         net = _weight_options(net, quantize, group_size, fast, compile)  # notebooks 13 and 15
     return LLM(net, tokenizer if tokenizer is not None else load_tokenizer(source))  # a hub id: cached by now
 
@@ -144,7 +148,7 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
 QUANTIZE = (*MODES, "gguf")  # notebook 13's modes, and keeping a .gguf file's own blocks
 
 
-def _check_options(quantize: str | None, group_size: int, fast: bool, compile: bool) -> None:
+def _check_options(quantize: str | None, group_size: int, fast: bool, compile: bool, lora=None) -> None:
     """load's options, checked together before anything is read: ValueError naming the conflict."""
     if quantize not in (None, *QUANTIZE):
         raise ValueError(f"unknown quantize {quantize!r}; choose one of: {', '.join(QUANTIZE)} (or None)")
@@ -157,6 +161,8 @@ def _check_options(quantize: str | None, group_size: int, fast: bool, compile: b
     if fast and quantize == "gguf":
         raise ValueError("fast=True rebuilds the layers from float weights and cannot keep GGUF blocks; "
                          "use quantize='int4' (the same 4-bit grid as Q4_0/Q4_1 at group_size 32)")
+    if lora is not None and quantize == "gguf":
+        raise ValueError("lora= merges an adapter into float weights; quantize='gguf' keeps the file's 4-bit blocks")
 
 
 def _check_gguf_source(source: str | Path, device: str | torch.device | None, dtype: torch.dtype | None) -> None:

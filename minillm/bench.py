@@ -12,6 +12,7 @@ greedy decoding, end-of-sequence disabled, and the same thread count.
     python -m minillm.bench ceiling               # matrix-vector ceilings only
     python -m minillm.bench engine --requests 16 64
     python -m minillm.bench speculative             # int4 self-drafting and prompt lookup
+    python -m minillm.bench lora                    # 4 LoRA adapters in one batch vs the base model
     python -m minillm.bench --model Qwen/Qwen2.5-0.5B-Instruct --threads 2 --json --out bench.json
 
 Variants (minillm side): readable (CausalLM), fast (FastCausalLM), readable-int8/-int4
@@ -38,19 +39,22 @@ How things are measured:
 - speculative: minillm/bench_speculative.py (its docstring): plain greedy decoding, the int4 drafter
   and prompt lookup on an open question and a copy-edit task, against transformers' greedy generate
   and its prompt lookup; acceptance, tokens per forward and equality with plain decoding.
+- lora: minillm/bench_lora.py (its docstring): 16 requests on the base model, through a MultiLoRA
+  model with no adapter used, and spread over 4 adapters in one batch; transformers + PEFT the same.
 
 JSON schema (--json prints it, --out FILE writes it too):
     {"machine": {"cpu", "cores", "platform"}, "model", "dtype", "threads", "torch", "transformers",
      "args": {...the flags...}, "skipped": {variant: reason},
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
-     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"speculative" (in this order),
+     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"speculative"|"lora" (in this order),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
                "metric": "load time", "build time", "time to first token", "prefill",
                          "decode", "greedy agreement", "weight memory", "transformers footprint",
                          "peak RSS", "matvec", "engine", and the speculative section's "<task> decode",
                          "<task> vs plain", "<task> accepted", "<task> tokens/forward", "<task> equal to plain",
-               "n": prompt tokens (prefill), tokens (decode, agreement), requests (engine), else null,
+                         and the lora section's "engine" and "vs base model",
+               "n": prompt tokens (prefill), tokens (decode, agreement), requests (engine, lora), else null,
                "unit": "s" | "ms" | "tok/s" | "tokens" | "MiB" | "x" | "%",
                "minillm", "transformers": numbers or null,
                "ratio": minillm/transformers for tok/s and tokens, transformers/minillm for
@@ -77,6 +81,7 @@ from torch import nn
 
 from minillm.api import load_tokenizer
 from minillm.bench_engine import engine_rows
+from minillm.bench_lora import lora_rows
 from minillm.bench_speculative import speculative_rows
 from minillm.devices import peak_memory_mib
 from minillm.embedded import embedded_gguf_path
@@ -90,7 +95,7 @@ from minillm.weights import load_model
 DATA = Path(__file__).resolve().parent.parent / "data"
 VARIANTS = ("readable", "fast", "readable-int8", "readable-int4", "fast-int8", "fast-int4")
 COMPILED = ("fast-compiled", "fast-int4-compiled")
-SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "speculative")
+SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "speculative", "lora")
 LOWER_IS_BETTER = {"s", "ms", "MiB"}
 
 
@@ -287,6 +292,8 @@ def run_benchmark(args) -> dict:
         engine_rows(sides, args, row)
     if what in ("all", "speculative"):
         speculative_rows(sides, args, row, skipped)
+    if what in ("all", "lora"):
+        lora_rows(sides, args, row, skipped)
     row("memory", "process", "peak RSS", "MiB", peak_memory_mib(torch.device("cpu")))
     rows.sort(key=lambda r: SECTIONS.index(r["section"]))  # stable: each section's rows keep their order
     return {"machine": machine(), "model": sides.name, "dtype": str(dtype).removeprefix("torch."),
@@ -385,7 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     helps = {"all": "every section (the default)", "decode": "batch-1 decode and its ceiling fraction",
              "prefill": "prefill tok/s and time to first token", "ceiling": "matrix-vector ceilings only",
              "engine": "continuous batching vs transformers' padded batch generate",
-             "speculative": "speculative decoding (int4 drafter, prompt lookup) vs plain greedy decoding"}
+             "speculative": "speculative decoding (int4 drafter, prompt lookup) vs plain greedy decoding",
+             "lora": "serving 4 LoRA adapters in one batch vs the base model alone (and transformers + PEFT)"}
     for name, text in helps.items():
         add_common(sub.add_parser(name, help=text, description=text), suppress=True)
     args = parser.parse_args(argv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import random
 import time
+from collections import Counter
 
 import torch
 
@@ -24,7 +25,7 @@ def mixed_requests(n: int, vocab: int, seed: int = 0, prompt_range=(8, 96), new_
             for _ in range(n)]
 
 
-def transformers_padded_batch(hf_model, requests, pad_id: int) -> float:
+def transformers_padded_batch(hf_model, requests, pad_id: int, **generate_kwargs) -> float:
     """Seconds for transformers' generate on all requests as one left-padded batch, greedy.
 
     A padded batch runs until its longest request is done; only each request's own
@@ -39,18 +40,24 @@ def transformers_padded_batch(hf_model, requests, pad_id: int) -> float:
     t0 = time.perf_counter()
     with torch.no_grad():
         hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                          do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
+                          do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
+                          **generate_kwargs)
     return time.perf_counter() - t0
 
 
-def minillm_engine(model, tokenizer, requests) -> float:
+def minillm_engine(model, tokenizer, requests, adapters=None) -> float:
+    """Seconds for the engine to run every request; adapters: a LoRA adapter's name per request (notebook 19)."""
     blocks = sum(-(-(len(p) + m) // 16) for p, m in requests)  # every request's KV at once, in 16-token blocks
     engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
                     enable_prefix_caching=False)
     t0 = time.perf_counter()
-    out = engine.generate([p for p, _ in requests], max_new_tokens=[m for _, m in requests], eos_token_ids=())
+    rids = [engine.add_request(p, None, m, eos_token_ids=(), adapter=a)
+            for (p, m), a in zip(requests, adapters or [None] * len(requests))]
+    made = Counter()
+    while engine.has_unfinished():
+        made.update(out.request_id for out in engine.step() if out.token_id is not None)
     seconds = time.perf_counter() - t0
-    assert [len(r["token_ids"]) for r in out] == [m for _, m in requests]
+    assert [made[rid] for rid in rids] == [m for _, m in requests]
     return seconds
 
 

@@ -24,6 +24,7 @@ import torch
 
 from minillm.constrained import Constraints, apply_constraints
 from minillm.generate import TextStream, check_prompt
+from minillm.lora import adapter_index
 from minillm.model import CausalLM
 from minillm.paged_cache import BlockManager, PagedView, batch_layout, make_paged_cache
 from minillm.sampling import SamplingParams, make_generator, sample
@@ -49,6 +50,7 @@ class Sequence:
     num_cached: int = 0  # leading tokens whose KV the prefix cache already held at admission
     forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for this one's prefill
     constraint: object | None = None  # structured outputs (notebook 18): masks its logits, reads its tokens
+    lora: int = 0  # its LoRA adapter's index in the model (notebook 19), 0: none
 
     @property
     def token_ids(self) -> list[int]:
@@ -96,17 +98,17 @@ def admit(manager: BlockManager, waiting: deque[Sequence], running: list[Sequenc
     fresh: set[int] = set()  # blocks newly given out in this call: their keys exist only after this step's prefill
     while waiting and len(running) < max_num_seqs:
         seq = waiting[0]
-        ids = seq.token_ids
+        ids, salt = seq.token_ids, seq.lora or None  # an adapter's keys and values are its own (notebook 19)
         if manager.blocks_needed(len(ids) + 1) > manager.num_blocks or len(ids) >= max_model_len:
             waiting.popleft()
             rejected.append(seq)
             continue
-        if not manager.can_allocate(ids):
+        if not manager.can_allocate(ids, salt):
             break  # oldest first: wait for blocks
-        if fresh.intersection(manager.prefix_hits(ids)):
+        if fresh.intersection(manager.prefix_hits(ids, salt)):
             break  # its prefix is being computed now (prefill batches may run in any order): next step
         waiting.popleft()
-        seq.num_cached = manager.allocate(seq.id, ids)
+        seq.num_cached = manager.allocate(seq.id, ids, salt)
         fresh.update(manager.block_table(seq.id)[seq.num_cached // manager.block_size:])  # reused ones are computed
         seq.status = RUNNING
         running.append(seq)
@@ -188,8 +190,9 @@ def forward_batch(model: CausalLM, cache: list, manager: BlockManager, seqs: lis
     T = layout.slots.shape[1]
     ids = torch.tensor([[0] * (T - len(n)) + n for n in new_ids], device=device)  # (B, T)
     views = [PagedView(c, layout) for c in cache]
+    loras = {"adapter_ids": torch.tensor([s.lora for s in seqs], device=device)} if any(s.lora for s in seqs) else {}
     logits = model(ids, positions=layout.positions, attention_mask=layout.attention_mask, cache=views,
-                   start_pos=layout.start_pos, logits_to_keep=1)  # (B, 1, V)
+                   start_pos=layout.start_pos, logits_to_keep=1, **loras)  # (B, 1, V); LoRA rows: notebook 19
     return logits[:, -1]  # every row's last new token sits in the last column
 
 
@@ -348,19 +351,20 @@ class EngineCore:
 class Engine(EngineCore):
     """A model, a paged KV cache and a scheduler: add_request, step, abort, generate."""
 
-    def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                    stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1, response_format=None) -> int:
+    def add_request(self, prompt_ids: Seq[int], *args, **kwargs) -> int:  # make_request's arguments
         """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
-        return self.submit(self.make_request(prompt_ids, params, max_new_tokens, stop, eos_token_ids, n, response_format))
+        return self.submit(self.make_request(prompt_ids, *args, **kwargs))
 
     def make_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
-                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1, response_format=None) -> Sequence:
-        """A checked request of n choices, not yet queued: touches no engine state, so any thread may call it."""
+                     stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1,
+                     response_format=None, adapter: str | None = None) -> Sequence:  # nb 18, nb 19 (a LoRA's name)
+        """A checked request of n choices, not yet queued (no engine state touched: any thread may call it)."""
         def choice(params: SamplingParams | None) -> Sequence:
             ids, params, text = check_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
                                               prompt_ids, params, max_new_tokens, stop, eos_token_ids)
             return Sequence(next(self._ids), ids, params, text, make_generator(params.seed, self.device),
-                            constraint=self.constraints.for_format(response_format))  # nb 18: one per choice
+                            constraint=self.constraints.for_format(response_format),  # nb 18: one per choice
+                            lora=adapter_index(self.model, adapter))  # nb 19: 0, or its adapter's index
         return with_forks([choice(p) for p in choice_params(params, n)])
 
     def submit(self, seq: Sequence) -> int:
@@ -384,8 +388,7 @@ class Engine(EngineCore):
         while self.has_unfinished():
             for out in self.step():  # the outputs say everything: finished requests are forgotten
                 r = results[out.request_id]
-                if out.token_id is not None:
-                    r["token_ids"].append(out.token_id)
+                r["token_ids"] += [] if out.token_id is None else [out.token_id]
                 r["text"] += out.text
                 if out.finished:
                     r["finish_reason"], r["error"] = out.finish_reason, out.error

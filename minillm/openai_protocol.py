@@ -266,13 +266,21 @@ def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
     return n, best_of
 
 
+def requested_model(body: dict, model_name: str, adapters: list[str]) -> tuple[str, str | None]:
+    """(model id, LoRA adapter or None): the served model, or "<served model>:<adapter>" (notebook 19)."""
+    model = body.get("model", model_name)
+    adapter = model[len(model_name) + 1:] if isinstance(model, str) and model.startswith(model_name + ":") else None
+    if model != model_name and adapter not in adapters:
+        served = ", ".join(repr(m) for m in [model_name] + [f"{model_name}:{a}" for a in adapters])
+        raise APIError(404, f"the model {model!r} does not exist; this server has {served}", "model", "model_not_found")
+    return model, adapter
+
+
 def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
-                  chat: bool = True, constraints=None) -> dict:
+                  chat: bool = True, constraints=None, adapters: list[str] = ()) -> dict:
     """Check the request against the context, OpenAI's ranges and SamplingParams; the engine's
     arguments and the options. The table in notebook 14 lists every field and its range."""
-    if body.get("model", model_name) != model_name:
-        raise APIError(404, f"the model {body.get('model')!r} does not exist; this server has {model_name!r}",
-                       "model", "model_not_found")
+    model, adapter = requested_model(body, model_name, list(adapters))
     stream = _flag(body, "stream")
     n, best_of = _choices(body, chat, stream)
     try:  # the prompt rule of every entry point (generate.check_prompt); max_tokens is checked below
@@ -328,4 +336,5 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
         raise APIError(400, "stream_options must be an object", "stream_options")
     return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": stream, "n": n,
             "best_of": best_of, "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs,
-            "response_format": fmt, "tools": bool(tools) and choice != "none"}
+            "tools": bool(tools) and choice != "none", "model": model,
+            "options": {"response_format": fmt, "adapter": adapter}}  # the engine's: Engine.make_request

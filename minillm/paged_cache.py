@@ -152,23 +152,23 @@ class BlockPool:
 class BlockAllocator(BlockPool):
     """Stage 1: sequences take blocks as they grow and give them back when done; `fork` shares them."""
 
-    def _need(self, token_ids: list[int]) -> tuple[list[int], int]:  # (cached blocks to reuse, free blocks to take)
+    def _need(self, token_ids: list[int], salt=None) -> tuple[list[int], int]:  # (cached blocks to reuse, free blocks to take)
         return [], self.blocks_needed(len(token_ids))
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        """Are there enough free blocks for this prompt, counting prefix-cache hits?"""
-        return self._need(token_ids)[1] <= self.num_free_blocks
+    def can_allocate(self, token_ids: list[int], salt=None) -> bool:
+        """Are there enough free blocks for this prompt, counting prefix-cache hits? (salt: see stage 2)"""
+        return self._need(token_ids, salt)[1] <= self.num_free_blocks
 
-    def _fill(self, table: list[int], token_ids: list[int]) -> list[int]:  # free blocks until table holds token_ids
+    def _fill(self, table: list[int], token_ids: list[int], salt=None) -> list[int]:  # free blocks until table holds token_ids
         while len(table) < self.blocks_needed(len(token_ids)):
             table.append(self._take_free())
         return table
 
-    def allocate(self, seq_id, token_ids: list[int]) -> int:
+    def allocate(self, seq_id, token_ids: list[int], salt=None) -> int:
         """Give the prompt a block table; return how many leading tokens are already cached."""
-        hits, need = self._need(token_ids)
+        hits, need = self._need(token_ids, salt)
         _check_allocate(self, seq_id, token_ids, need)
-        self.tables[seq_id] = self._fill([self._share(b) for b in hits], token_ids)
+        self.tables[seq_id] = self._fill([self._share(b) for b in hits], token_ids, salt)
         self.tokens[seq_id] = list(token_ids)
         return len(hits) * self.block_size
 
@@ -208,6 +208,7 @@ class PrefixCache(BlockAllocator):
         self.block_tokens: list[tuple | None] = [None] * num_blocks  # its tokens, to confirm a hit
         self.cached: dict[int, int] = {}                             # hash -> block holding those keys/values
         self.hits = self.queries = 0                                 # full prompt blocks found / looked up
+        self.salts: dict[object, object] = {}                        # seq_id -> its salt, when it has one
 
     @staticmethod
     def chain_hash(parent: int | None, tokens) -> int:
@@ -229,9 +230,9 @@ class PrefixCache(BlockAllocator):
         self.block_hash[block] = self.block_tokens[block] = None
         return block
 
-    def _fill(self, table: list[int], token_ids: list[int]) -> list[int]:  # as in stage 1, registering full blocks
+    def _fill(self, table: list[int], token_ids: list[int], salt=None) -> list[int]:  # as in stage 1, registering full blocks
         bs, n_full = self.block_size, len(token_ids) // self.block_size
-        parent = self.block_hash[table[-1]] if table else None
+        parent = self.block_hash[table[-1]] if table else salt  # the salt heads the chain
         for i in range(len(table), self.blocks_needed(len(token_ids))):
             table.append(self._take_free())
             if i < n_full:  # a full block: findable by later prompts
@@ -243,9 +244,9 @@ class PrefixCache(BlockAllocator):
 class PrefixCachingAllocator(PrefixCache):
     """Stage 2b: a prompt reuses the longest chain of its leading full blocks found in the cache."""
 
-    def prefix_hits(self, token_ids: list[int]) -> list[int]:
-        """The cached blocks that hold the longest chain of the prompt's leading full blocks."""
-        found, parent, bs = [], None, self.block_size
+    def prefix_hits(self, token_ids: list[int], salt=None) -> list[int]:
+        """The cached blocks that hold the longest chain of the prompt's leading full blocks (after `salt`)."""
+        found, parent, bs = [], salt, self.block_size
         if not self.enable_prefix_caching:
             return found
         for i in range(len(token_ids) // bs):
@@ -257,15 +258,16 @@ class PrefixCachingAllocator(PrefixCache):
             found.append(block)
         return found
 
-    def _need(self, token_ids: list[int]) -> tuple[list[int], int]:
-        hits = self.prefix_hits(token_ids)
+    def _need(self, token_ids: list[int], salt=None) -> tuple[list[int], int]:
+        hits = self.prefix_hits(token_ids, salt)
         if hits and len(hits) * self.block_size == len(token_ids):
             hits = hits[:-1]  # its last token must be computed (for its logits): so, here, its whole block
         need = self.blocks_needed(len(token_ids)) - len(hits)
         return hits, need + sum(self.ref_count[b] == 0 for b in hits)  # idle cached blocks leave the free list
 
-    def allocate(self, seq_id, token_ids: list[int]) -> int:
-        cached = super().allocate(seq_id, token_ids)
+    def allocate(self, seq_id, token_ids: list[int], salt=None) -> int:
+        cached = super().allocate(seq_id, token_ids, salt)
+        self.salts[seq_id] = salt  # its blocks filled later by decoding are keyed under the same salt
         self.hits += cached // self.block_size  # counters: hits / queries is the hit rate
         self.queries += len(token_ids) // self.block_size if self.enable_prefix_caching else 0
         return cached
@@ -275,8 +277,16 @@ class PrefixCachingAllocator(PrefixCache):
         _check_append(self, seq_id)
         table, tokens, bs = self.tables[seq_id], self.tokens[seq_id], self.block_size
         if len(tokens) % bs == 0 and self.block_hash[table[-1]] is None:  # all of it computed by now
-            self._register(table[-1], self.block_hash[table[-2]] if len(table) > 1 else None, tokens[-bs:])
+            self._register(table[-1], self.block_hash[table[-2]] if len(table) > 1 else self.salts.get(seq_id), tokens[-bs:])
         super().append(seq_id, token_id)
+
+    def fork(self, seq_id, new_seq_id) -> None:  # as stage 1; the fork keeps its parent's salt
+        super().fork(seq_id, new_seq_id)
+        self.salts[new_seq_id] = self.salts.get(seq_id)
+
+    def free(self, seq_id) -> None:  # as stage 1, forgetting the salt
+        super().free(seq_id)
+        self.salts.pop(seq_id, None)
 
 
 class BlockManager(PrefixCachingAllocator):
@@ -290,15 +300,15 @@ class BlockManager(PrefixCachingAllocator):
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.copies: list[tuple[int, int]] = []  # pending copy-on-write (src, dst)
 
-    def _need(self, token_ids: list[int]) -> tuple[list[int], int]:
-        hits = self.prefix_hits(token_ids)  # all of them, now: a fully cached prompt copies its last block
+    def _need(self, token_ids: list[int], salt=None) -> tuple[list[int], int]:
+        hits = self.prefix_hits(token_ids, salt)  # all of them, now: a fully cached prompt copies its last block
         fully_cached = len(hits) * self.block_size == len(token_ids)
         need = self.blocks_needed(len(token_ids)) - len(hits) + int(fully_cached)  # +1: the copy
         return hits, need + sum(self.ref_count[b] == 0 for b in hits)
 
-    def allocate(self, seq_id, token_ids: list[int]) -> int:
+    def allocate(self, seq_id, token_ids: list[int], salt=None) -> int:
         """As stage 2; a fully cached prompt gets a private copy of its last block and reports len - 1."""
-        cached = super().allocate(seq_id, token_ids)
+        cached = super().allocate(seq_id, token_ids, salt)
         if cached == len(token_ids):  # recompute the last token (its logits are needed) in the copy
             self._copy_on_write(seq_id)
             cached -= 1

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.api import LLM
 from minillm.engine import Engine, Output
+from minillm.lora import adapter_names
 from minillm.openai_protocol import (APIError, Reply, best_choices, held_events, output_events, parse_request,
                                       read_json, read_prompt, sse, token_logprobs)
 from minillm.sampling import SamplingParams
@@ -125,11 +126,11 @@ class AsyncEngine(EngineThread):
     closed = False  # set by end_all: the server is shutting down, add refuses (503)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stop: list[str],
-            n: int = 1, response_format: dict | None = None) -> tuple[list[int], asyncio.Queue]:
+            n: int = 1, **options) -> tuple[list[int], asyncio.Queue]:  # options: response_format, adapter
         """Queue a request for n choices (call from the event loop): their ids, the queue of their Outputs."""
         if self.closed:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
-        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, None, n, response_format)  # bad: ValueError
+        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, None, n, **options)  # bad: ValueError
         rids = [seq.id] + [fork.id for fork in seq.forks]
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -175,7 +176,7 @@ async def collect_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: di
     """The whole answer as one JSON object: its n choices (the n best of best_of). A client that hangs
     up is noticed within half a second (nothing is written to it until the end, so only asking tells)
     and its request is aborted."""
-    rids, outputs = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["best_of"], req["response_format"])
+    rids, outputs = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["best_of"], **req["options"])
     index = {rid: i for i, rid in enumerate(rids)}
     texts, lps, finish = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
     asked = time.monotonic()
@@ -211,7 +212,7 @@ async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dic
     `record.end` ends the request (its in-flight count and limits), whichever way the stream ends."""
     pending, status, n = set(), 499, 0  # 499 (client closed) unless the stream reaches its end
     try:
-        rids, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["n"], req["response_format"])
+        rids, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["n"], **req["options"])
         pending, replies = set(rids), {rid: reply.at(i) for i, rid in enumerate(rids)}
         for one in replies.values() if reply.chat else ():
             yield one.opening()
@@ -309,8 +310,9 @@ def completion_handler(llm: LLM, engine: AsyncEngine, gate: Gate, context: int, 
         try:
             body = await read_json(request, max_body_bytes)
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
-            req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat, engine.engine.constraints)
-            reply = Reply(chat, model_name, len(ids), req["tools"])
+            req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat,
+                                engine.engine.constraints, adapter_names(llm.model))  # notebooks 18 and 19
+            reply = Reply(chat, req["model"], len(ids), req["tools"])
             record.begin(reply.head["id"], len(ids))
             if not req["stream"]:
                 answer = await collect_answer(engine, llm.tokenizer, ids, req, reply, request, record)
@@ -331,10 +333,11 @@ def completion_handler(llm: LLM, engine: AsyncEngine, gate: Gate, context: int, 
     return complete
 
 
-def model_list(model_name: str, context: int) -> dict:
-    """The body of GET /v1/models: the one model this server serves, and its context length."""
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                        "owned_by": "minillm", "max_model_len": context}]}
+def model_list(model_name: str, context: int, adapters: list[str] = ()) -> dict:
+    """The body of GET /v1/models: the served model, its LoRA adapters (notebook 19), the context length."""
+    entry = {"object": "model", "created": 0, "owned_by": "minillm", "max_model_len": context}
+    return {"object": "list", "data": [{"id": model_name, **entry}] +
+            [{"id": f"{model_name}:{name}", "parent": model_name, **entry} for name in adapters]}
 
 
 def health_report(engine: AsyncEngine, gate: Gate) -> dict:
@@ -381,7 +384,7 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
     @app.get("/v1/models")
     async def models(request: Request):
         gate.admit(request, limited=False).end(200)  # a key is needed here too
-        return model_list(model_name, context)
+        return model_list(model_name, context, adapter_names(llm.model))
 
     @app.get("/health")
     async def health():  # open without a key: for load balancers

@@ -60,8 +60,8 @@ def test_ratios_mean_minillm_better_when_above_one(result):
             expected = r["minillm"] / r["transformers"]
         elif r["unit"] in ("s", "ms", "MiB"):  # lower is better: transformers / minillm
             expected = r["transformers"] / r["minillm"]
-        else:  # tok/s: minillm / transformers
-            assert r["unit"] == "tok/s"
+        else:  # tok/s, or x (a share of the base model's speed kept): minillm / transformers
+            assert r["unit"] in ("tok/s", "x")
             expected = r["minillm"] / r["transformers"]
         assert r["ratio"] == pytest.approx(expected), r
 
@@ -96,6 +96,17 @@ def test_memory_and_engine(result):
     engine = rows(result, section="engine")
     assert {r["variant"] for r in engine} == {"readable", "fast"} and all(r["n"] == 4 for r in engine)
     assert all(r["minillm"] > 0 and r["transformers"] > 0 for r in engine)
+
+
+def test_lora_section(result):
+    lora = rows(result, section="lora")
+    assert {r["variant"] for r in lora} == {"base model", "MultiLoRA, all on base", "4 adapters, mixed batch"}
+    assert all(r["n"] == 4 and r["minillm"] > 0 and r["transformers"] > 0 for r in lora)
+    assert [r["metric"] for r in lora] == ["engine"] * 3 + ["vs base model"]
+    base, _, spread, kept = lora
+    for side in ("minillm", "transformers"):  # the share of the base model's speed kept, each side on its own
+        assert kept[side] == pytest.approx(spread[side] / base[side])
+    assert "lora: transformers + PEFT" not in result["skipped"]  # PEFT is a dev requirement: the peer runs
 
 
 def test_speculative_section(result):
