@@ -20,11 +20,12 @@ a spreadsheet does not read 3/3 as a date). An exercise is named by the referenc
 generated from (09_sampling), else by the file's stem. It runs students' code: use a sandbox.
 
 The checks live in minillm/check_model.py (notebooks 01-05), minillm/check_loading.py (06, 07, 10),
-minillm/check_serving.py (08-13), minillm/check_engine.py (12, 14), check_speculative.py (17) and
-check_first_versions.py (the lessons' first versions in 02, 10 and 13: naive_attention,
-greedy_decode, fake_quant). The exploration tasks' checks (check.explore_<name>, named in EXPLORE,
+minillm/check_serving.py (08-13), minillm/check_engine.py (12, 14), check_speculative.py (17),
+check_lora.py (19) and check_first_versions.py (the lessons' first versions in 02, 10 and 13:
+naive_attention, greedy_decode, fake_quant). The exploration tasks' checks (check.explore_<name>, named in EXPLORE,
 not in CHECKS: they take a measured number and run in the notebook) are in minillm/check_explore.py
-(counts and bytes), check_engine.py (12 and 14: measurements) and check_speculative.py (17). All run on the harness of minillm/check_harness.py;
+(counts and bytes), check_engine.py (12 and 14: measurements), check_speculative.py (17) and
+check_lora.py (19). All run on the harness of minillm/check_harness.py;
 this module names them (CHECKS, EXPLORE) and runs them.
 """
 
@@ -42,7 +43,7 @@ import types
 from pathlib import Path
 from typing import Callable
 
-from minillm import check_engine, check_explore, check_speculative
+from minillm import check_engine, check_explore, check_lora, check_speculative
 from minillm.check_engine import (admit, explore_speedup_16, explore_text_share, make_room, output_events,
                                   preempt_seq)
 from minillm.check_explore import (
@@ -88,6 +89,7 @@ from minillm.check_serving import (
     top_k_filter,
     top_p_filter,
 )
+from minillm.check_lora import explore_adapter_megabytes, multi_lora_linear_forward
 from minillm.check_speculative import accept_sampled, explore_lookup_forwards_saved
 
 __all__ = [
@@ -101,6 +103,7 @@ __all__ = [
     "explore_tail", "explore_broken_tokens", "explore_int4_bits_per_weight", "explore_slow_pairs_theta_10k",
     "explore_mlp_share_of_model", "explore_sequences_that_fit", "explore_attention_crossover_tokens",
     "explore_qwen7b_bytes", "explore_chinese_share", "accept_sampled", "explore_lookup_forwards_saved", "EXPLORE",
+    "multi_lora_linear_forward", "explore_adapter_megabytes",
     "admit", "preempt_seq", "make_room", "explore_speedup_16", "output_events", "explore_text_share",
     "CheckFailed", "CHECKS", "check_namespace", "check_path", "grade", "main",
 ]
@@ -121,12 +124,12 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "unpermute_qk": unpermute_qk, "bpe": bpe, "StreamDecoder.push": stream_decoder_push,
     "StopStrings.push": stop_strings_push, "greedy_decode": greedy_decode, "stream": stream,
     "admit": admit, "preempt_seq": preempt_seq, "make_room": make_room, "output_events": output_events,
-    "accept_sampled": accept_sampled,
+    "accept_sampled": accept_sampled, "MultiLoRALinear.forward": multi_lora_linear_forward,
 }
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
 EXPLORE: dict[str, Callable[[object], bool]] = {**check_explore.EXPLORE, **check_engine.EXPLORE,
-                                                 **check_speculative.EXPLORE}
+                                                 **check_speculative.EXPLORE, **check_lora.EXPLORE}
 """Exploration name (the answer's variable) -> its check, which takes the number (check.explore_<name>)."""
 
 _EXPORT = re.compile(r"^#\|\s*export")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,6 +87,8 @@ def _calls(ns: dict) -> dict:
         **_first_version_calls(),
         "accept_sampled": lambda f: f(torch.softmax(torch.randn(2, 4), -1), torch.softmax(torch.randn(1, 4), -1), [0],
                                       None),
+        "MultiLoRALinear.forward": lambda cls: cls(torch.nn.Linear(2, 3), torch.zeros(2, 1, 2), torch.zeros(2, 3, 1),
+                                                   SimpleNamespace(ids=torch.tensor([1])))(torch.ones(1, 1, 2)),
     }
 
 
@@ -580,6 +583,28 @@ SPECULATIVE_PLANTED = [
 ]
 
 
+# ---------------------------------------------------------------- notebook 19: serving many adapters (minillm/check_lora.py)
+
+from minillm import check_lora, lora  # noqa: E402
+
+
+def _multi_variant(old: str, new: str, label: str):
+    return _variant(lora.MultiLoRALinear, old, new, label)
+
+
+_ADD = "return y + (x @ A.transpose(1, 2)) @ B.transpose(1, 2)"
+_GATHER = "self.lora_A[self.rows.ids], self.lora_B[self.rows.ids]"
+LORA_PLANTED = [
+    ("MultiLoRALinear.forward", _multi_variant(_ADD, "return (x @ A.transpose(1, 2)) @ B.transpose(1, 2)",
+                                               "multi_lora_without_base"), "add the base layer's output"),
+    ("MultiLoRALinear.forward", _multi_variant(_ADD, "return y", "multi_lora_base_only"), "the base layer alone"),
+    ("MultiLoRALinear.forward", _multi_variant(_GATHER, "self.lora_A[self.rows.ids[:1]], self.lora_B[self.rows.ids[:1]]",
+                                               "multi_lora_first_row_adapter"), "each row has its own adapter"),
+    ("MultiLoRALinear.forward", _multi_variant("if self.rows.ids is None:", "if False:", "multi_lora_ids_none"),
+     "rows.ids is None when no row has an adapter"),
+]
+
+
 # ---------------------------------------------------------------- the reference passes
 
 REFERENCE = {
@@ -596,6 +621,7 @@ REFERENCE = {
     **ENGINE_REFERENCE,
     **FIRST_REFERENCE,
     "accept_sampled": speculative.accept_sampled,
+    "MultiLoRALinear.forward": lora.MultiLoRALinear,
 }
 
 
@@ -784,6 +810,7 @@ PLANTED = [
     *ENGINE_PLANTED,
     *FIRST_PLANTED,
     *SPECULATIVE_PLANTED,
+    *LORA_PLANTED,
 ]
 
 
@@ -821,6 +848,7 @@ def test_check_names():
     assert make_exercises.check_name("MLP.forward") == "mlp_forward"
     assert make_exercises.check_name("DecoderLayer.forward") == "decoder_layer_forward"
     assert make_exercises.check_name("top_p_filter") == "top_p_filter"
+    assert make_exercises.check_name("MultiLoRALinear.forward") == "multi_lora_linear_forward"
 
 
 def _write_reference(root: Path, body: str, doc: str = "Doc.") -> Path:
@@ -1105,12 +1133,13 @@ EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of 
     "chinese_share": (check_explore.chinese_share(), (check_explore.chinese_share()[0], 0.0), "byte alphabet"),
     "lookup_forwards_saved": (check_speculative.lookup_forwards_saved(), 1 - check_speculative.lookup_forwards_saved(),
                               "share of forwards run"),
+    "adapter_megabytes": (check_lora.adapter_megabytes(), check_lora.adapter_megabytes(gqa=False), "3 KV heads"),
 }
 MEASURED = {"speedup_16", "text_share"}  # measurements on this machine: test_explorations_accept_plausible_numbers
 
 
 def test_every_exploration_has_a_reference():
-    assert set(EXPLORE_REFERENCE) == set(check_explore.EXPLORE) | set(check_speculative.EXPLORE)
+    assert set(EXPLORE_REFERENCE) == set(check_explore.EXPLORE) | set(check_speculative.EXPLORE) | set(check_lora.EXPLORE)
     assert MEASURED == set(check_engine.EXPLORE)
     assert set(check.EXPLORE) == set(EXPLORE_REFERENCE) | MEASURED  # one registry
     for name, explore in check.EXPLORE.items():
@@ -1136,6 +1165,7 @@ def test_exploration_references_are_the_numbers_the_notebooks_print():
     qwen, smol = check_explore.chinese_share()
     assert 0.15 < qwen < 0.19 and 0.001 < smol < 0.002  # 25,511 of 151,643 and 80 of 49,152
     assert 0.5 < check_speculative.lookup_forwards_saved() < 0.95  # the answer copies the passage
+    assert check_lora.adapter_megabytes() == pytest.approx(32 * 30 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536)) * 4 / 1e6)
     count, mass = check_explore.tail()
     assert abs(count - 48816) <= 250 and abs(mass - 0.0425) <= 0.002
 

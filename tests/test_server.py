@@ -204,8 +204,8 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
     app, base = server
     engine = app.state.engine.engine
     manager, aborted = engine.manager, engine.finish_reasons["abort"]
-    stream = client.chat.completions.create(model=MODEL, messages=messages("Tell me a long story."),
-                                            max_tokens=500, temperature=0, stream=True)
+    long_answer = messages("Write a very long essay about the history of Rome, with many chapters.")  # 500 tokens
+    stream = client.chat.completions.create(model=MODEL, messages=long_answer, max_tokens=500, temperature=0, stream=True)
     for _, _chunk in zip(range(3), stream):
         pass
     assert manager.num_free_blocks < manager.num_blocks  # it holds blocks while streaming

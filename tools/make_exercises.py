@@ -223,7 +223,9 @@ def _check_definitions_only(source: str, where: str) -> None:
 
 
 def check_name(stub: str) -> str:
-    """The minillm.check function for a stub: `rms_norm`, `KVCache.update` -> `kv_cache_update`."""
+    """The minillm.check function for a stub: `rms_norm`, `KVCache.update` -> `kv_cache_update`,
+    `MultiLoRALinear.forward` -> `multi_lora_linear_forward` (LoRA is one word)."""
+    stub = stub.replace("LoRA", "Lora")
     words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", stub))
     return words.replace(".", "_").lower()
 
