@@ -13,6 +13,7 @@ greedy decoding, end-of-sequence disabled, and the same thread count.
     python -m minillm.bench engine --requests 16 64
     python -m minillm.bench speculative             # int4 self-drafting and prompt lookup
     python -m minillm.bench lora                    # 4 LoRA adapters in one batch vs the base model
+    python -m minillm.bench serve --rate 2          # requests arriving over time: latency and goodput
     python -m minillm.bench --model Qwen/Qwen2.5-0.5B-Instruct --threads 2 --json --out bench.json
 
 Variants (minillm side): readable (CausalLM), fast (FastCausalLM), readable-int8/-int4
@@ -41,21 +42,25 @@ How things are measured:
   and its prompt lookup; acceptance, tokens per forward and equality with plain decoding.
 - lora: minillm/bench_lora.py (its docstring): 16 requests on the base model, through a MultiLoRA
   model with no adapter used, and spread over 4 adapters in one batch; transformers + PEFT the same.
+- serve: minillm/bench_serve.py (its docstring): --serve-requests requests arriving as a Poisson
+  process at --rate per second and as a burst, against transformers' continuous batching and its
+  padded generate; throughput, time to first token and inter-token latency, goodput.
 
 JSON schema (--json prints it, --out FILE writes it too):
     {"machine": {"cpu", "cores", "platform"}, "model", "dtype", "threads", "torch", "transformers",
      "args": {...the flags...}, "skipped": {variant: reason},
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
-     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"speculative"|"lora" (in this order),
+     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"speculative"|"lora"|"serve" (in this order),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
                "metric": "load time", "build time", "time to first token", "prefill",
                          "decode", "greedy agreement", "weight memory", "transformers footprint",
                          "peak RSS", "matvec", "engine", and the speculative section's "<task> decode",
                          "<task> vs plain", "<task> accepted", "<task> tokens/forward", "<task> equal to plain",
-                         and the lora section's "engine" and "vs base model",
+                         and the lora section's "engine" and "vs base model", the serve section's
+                         "<workload> throughput|goodput|ttft pP|itl pP" (variant: "vs <peer>"),
                "n": prompt tokens (prefill), tokens (decode, agreement), requests (engine, lora), else null,
-               "unit": "s" | "ms" | "tok/s" | "tokens" | "MiB" | "x" | "%",
+               "unit": "s" | "ms" | "tok/s" | "req/s" | "tokens" | "MiB" | "x" | "%",
                "minillm", "transformers": numbers or null,
                "ratio": minillm/transformers for tok/s and tokens, transformers/minillm for
                         s, ms and MiB -- so ratio > 1 always means minillm is better; null if a side is missing,
@@ -68,6 +73,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import os
 import platform
 import random
@@ -82,6 +88,7 @@ from torch import nn
 from minillm.api import load_tokenizer
 from minillm.bench_engine import engine_rows
 from minillm.bench_lora import lora_rows
+from minillm.bench_serve import serve_rows
 from minillm.bench_speculative import speculative_rows
 from minillm.devices import peak_memory_mib
 from minillm.embedded import embedded_gguf_path
@@ -95,7 +102,7 @@ from minillm.weights import load_model
 DATA = Path(__file__).resolve().parent.parent / "data"
 VARIANTS = ("readable", "fast", "readable-int8", "readable-int4", "fast-int8", "fast-int4")
 COMPILED = ("fast-compiled", "fast-int4-compiled")
-SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "speculative", "lora")
+SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "speculative", "lora", "serve")
 LOWER_IS_BETTER = {"s", "ms", "MiB"}
 
 
@@ -294,6 +301,8 @@ def run_benchmark(args) -> dict:
         speculative_rows(sides, args, row, skipped)
     if what in ("all", "lora"):
         lora_rows(sides, args, row, skipped)
+    if what in ("all", "serve"):
+        serve_rows(sides, args, row, prompt_ids(sides.tokenizer, 4096, config.vocab_size))
     row("memory", "process", "peak RSS", "MiB", peak_memory_mib(torch.device("cpu")))
     rows.sort(key=lambda r: SECTIONS.index(r["section"]))  # stable: each section's rows keep their order
     return {"machine": machine(), "model": sides.name, "dtype": str(dtype).removeprefix("torch."),
@@ -344,14 +353,17 @@ def render_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def positive_int(flag: str):
-    def parse(text: str) -> int:
+def positive(flag: str, cast=int):
+    """An argparse type: a number > 0 (an integer, or any finite number with cast=float), errors naming the flag."""
+    kind = "integer" if cast is int else "number"
+
+    def parse(text: str):
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {value}")
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive {kind}, got {text!r}") from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive {kind}, got {value}")
         return value
     return parse
 
@@ -363,19 +375,25 @@ def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     add("--model", default=d(None), help="a .gguf file, a model folder or a hub id (default: the embedded SmolLM2)")
     add("--quick", action="store_true", default=d(False), help="the tiny fixture data/tiny-llama (seconds)")
     add("--dtype", default=d("float32"), choices=["float32", "bfloat16", "float16"])
-    add("--threads", type=positive_int("--threads"), default=d(None), help="torch threads (default: torch's)")
+    add("--threads", type=positive("--threads"), default=d(None), help="torch threads (default: torch's)")
     add("--json", action="store_true", default=d(False), help="print JSON instead of the table")
     add("--out", default=d(None), help="also write the JSON to this file")
     add("--variants", nargs="+", default=d(None), type=variant_name, metavar="VARIANT",
         help=f"minillm variants, of: {', '.join(VARIANTS + COMPILED)} (default: {' '.join(VARIANTS)})")
     add("--compile", action="store_true", default=d(False), help="add the torch.compile'd fast variants (slow start)")
-    add("--tokens", type=positive_int("--tokens"), default=d(None), help="decode tokens (default 256; --quick: 16)")
-    add("--prompt-lengths", type=positive_int("--prompt-lengths"), nargs="+", default=d(None),
+    add("--tokens", type=positive("--tokens"), default=d(None), help="decode tokens (default 256; --quick: 16)")
+    add("--prompt-lengths", type=positive("--prompt-lengths"), nargs="+", default=d(None),
         help="prefill prompt lengths (default 128 1024; --quick: 32 128)")
-    add("--requests", type=positive_int("--requests"), nargs="+", default=d([16, 64]),
+    add("--requests", type=positive("--requests"), nargs="+", default=d([16, 64]),
         help="engine: concurrent requests (default 16 64)")
-    add("--repeats", type=positive_int("--repeats"), default=d(2), help="best of this many runs (default 2)")
-    add("--group-size", type=positive_int("--group-size"), default=d(32), help="int4 group size (default 32)")
+    add("--repeats", type=positive("--repeats"), default=d(2), help="best of this many runs (default 2)")
+    add("--group-size", type=positive("--group-size"), default=d(32), help="int4 group size (default 32)")
+    add("--rate", type=positive("--rate", float), default=d(2.0), help="serve: Poisson arrivals per second (default 2)")
+    add("--serve-requests", type=positive("--serve-requests"), default=d(48), help="serve: requests (default 48)")
+    add("--slo-ttft", type=positive("--slo-ttft", float), default=d(2.0),
+        help="serve: goodput's limit on the time to first token, seconds (default 2)")
+    add("--slo-tpot", type=positive("--slo-tpot", float), default=d(0.25),
+        help="serve: goodput's limit on the mean time per later token, seconds (default 0.25)")
 
 
 def variant_name(text: str) -> str:
@@ -393,7 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "prefill": "prefill tok/s and time to first token", "ceiling": "matrix-vector ceilings only",
              "engine": "continuous batching vs transformers' padded batch generate",
              "speculative": "speculative decoding (int4 drafter, prompt lookup) vs plain greedy decoding",
-             "lora": "serving 4 LoRA adapters in one batch vs the base model alone (and transformers + PEFT)"}
+             "lora": "serving 4 LoRA adapters in one batch vs the base model alone (and transformers + PEFT)",
+             "serve": "requests arriving over time: throughput, latency percentiles and goodput"}
     for name, text in helps.items():
         add_common(sub.add_parser(name, help=text, description=text), suppress=True)
     args = parser.parse_args(argv)

@@ -5,12 +5,14 @@ No timing asserts beyond positivity: speed is the benchmark's output, not a test
 import json
 import math
 
+import numpy as np
+
 import pytest
 
-from minillm import bench, roofline
+from minillm import bench, bench_serve, roofline
 from minillm.bench_speculative import TASKS
 
-QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1"]
+QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1", "--rate", "20"]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +62,8 @@ def test_ratios_mean_minillm_better_when_above_one(result):
             expected = r["minillm"] / r["transformers"]
         elif r["unit"] in ("s", "ms", "MiB"):  # lower is better: transformers / minillm
             expected = r["transformers"] / r["minillm"]
-        else:  # tok/s, or x (a share of the base model's speed kept): minillm / transformers
-            assert r["unit"] in ("tok/s", "x")
+        else:  # tok/s, req/s, or x (a share of the base model's speed kept): minillm / transformers
+            assert r["unit"] in ("tok/s", "req/s", "x")
             expected = r["minillm"] / r["transformers"]
         assert r["ratio"] == pytest.approx(expected), r
 
@@ -123,6 +125,57 @@ def test_speculative_section(result):
     assert "speculative: transformers assisted generation" in result["skipped"]
 
 
+def test_serve_section(result):
+    """Both workloads against both peers, every metric; goodput never above throughput's request rate."""
+    serve = rows(result, section="serve")
+    assert {r["variant"] for r in serve} == {"vs continuous batch", "vs padded generate"}
+    metrics = [name for name, _, _ in bench_serve.METRICS]
+    for variant in ("vs continuous batch", "vs padded generate"):
+        for workload in ("poisson 20/s", "burst"):
+            got = {r["metric"].removeprefix(workload + " "): r for r in serve if r["variant"] == variant
+                   and r["metric"].startswith(workload)}
+            assert set(got) == {m.replace("_", " ") for m in metrics}
+            assert all(r["n"] == 8 and r["minillm"] > 0 and r["transformers"] > 0 for r in got.values())
+            assert got["ttft p50"]["minillm"] <= got["ttft p90"]["minillm"] <= got["ttft p99"]["minillm"]
+            assert got["itl p50"]["transformers"] <= got["itl p90"]["transformers"] <= got["itl p99"]["transformers"]
+    assert "serve" in bench.parse_args(["serve"]).what and bench.parse_args(["serve"]).rate == 2.0
+
+
+def test_serving_workload_is_seeded_poisson_with_shared_prefixes():
+    source = list(range(5000))
+    work = bench_serve.serving_workload(source, 2000, rate=4.0, seed=3)
+    assert work == bench_serve.serving_workload(source, 2000, rate=4.0, seed=3)
+    gaps = [b.at - a.at for a, b in zip(work, work[1:])]
+    assert work[0].at == 0 and min(gaps) >= 0
+    assert np.mean(gaps) == pytest.approx(1 / 4.0, rel=0.1) and np.std(gaps) == pytest.approx(1 / 4.0, rel=0.15)
+    systems = [source[:64], source[64:128]]
+    shared = [w for w in work if w.prompt[:64] in systems]
+    assert 0.4 < len(shared) / len(work) < 0.6  # half of them, those longer than the system prompt
+    for w in work:
+        assert 16 <= len(w.prompt) <= 256 and 16 <= w.max_new_tokens <= 96
+        rest = w.prompt[64:] if w in shared else w.prompt
+        assert rest == list(range(rest[0], rest[0] + len(rest)))  # one contiguous cut of the source
+    assert {w.at for w in bench_serve.serving_workload(source, 10, rate=None)} == {0.0}
+
+
+def test_percentile_is_numpys_inverted_cdf():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100, 1001):
+        values = rng.exponential(size=n).tolist()
+        for p in (50, 90, 99):
+            assert bench_serve.percentile(values, p) == np.percentile(values, p, method="inverted_cdf")
+
+
+def test_serving_metrics_by_hand():
+    work = [bench_serve.Arrival(0.0, [1], 3), bench_serve.Arrival(1.0, [1], 2), bench_serve.Arrival(2.0, [1], 1)]
+    times = [[0.5, 0.6, 0.7], [3.5, 4.5], [2.1]]  # tokens at these seconds from the start
+    m = bench_serve.serving_metrics(work, times, slo_ttft=1.0, slo_tpot=0.5)
+    assert m["throughput"] == pytest.approx(6 / 4.5)  # 6 tokens from t = 0 to the last at 4.5 s
+    assert (m["ttft_p50"], m["ttft_p99"]) == pytest.approx((0.5, 2.5))  # first tokens after 0.5, 2.5, 0.1 s
+    assert (m["itl_p50"], m["itl_p99"]) == pytest.approx((0.1, 1.0))  # gaps 0.1, 0.1, 1.0
+    assert m["met_slo"] == 2 and m["goodput"] == pytest.approx(2 / 4.5)  # the second waited 2.5 s
+
+
 def test_speculative_compiled_row(tmp_path):
     """--compile adds the fast path drafted for by the compiled int4 path; its tokens equal plain decoding's."""
     out = tmp_path / "bench.json"
@@ -174,6 +227,10 @@ def test_defaults_and_compile_flag():
     (["prefill", "--prompt-lengths", "0"], "--prompt-lengths"),
     (["engine", "--requests", "x"], "--requests"),
     (["--threads", "0"], "--threads"),
+    (["serve", "--rate", "0"], "--rate"),
+    (["serve", "--rate", "inf"], "--rate"),
+    (["serve", "--slo-ttft", "fast"], "--slo-ttft"),
+    (["serve", "--serve-requests", "2.5"], "--serve-requests"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:

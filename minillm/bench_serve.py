@@ -1,0 +1,195 @@
+"""The benchmark's serve section (plumbing): requests that arrive over time, as a server sees them.
+
+In the manner of vLLM's benchmark_serving: a seeded workload of requests whose arrival times
+follow a Poisson process at --rate requests per second (or a burst: all at t = 0), with prompt
+and output lengths drawn from ranges, and a share of the prompts beginning with one of two
+shared system prompts (64 tokens: four full blocks a prefix cache can reuse). Each side serves
+the same requests in the same order as they arrive, greedy, end-of-sequence off:
+
+- minillm: the engine in-process (notebook 12, prefix caching on), stepped by this thread, each
+  request added when it is due;
+- transformers' continuous batching: `ContinuousBatchingManager` (its paged cache, its
+  scheduler, its own thread), each request added when it is due, its token timestamps recorded;
+- transformers' padded generate, as a static-batching server: whatever has arrived when the
+  previous batch is done runs as one left-padded batch to its longest request; a token counts as
+  delivered at the end of the step that made it (a logits processor reads the clock each step),
+  the best a streaming static server could do.
+
+Reported per side: output tokens/s over the whole run (first arrival to last token), time to
+first token (arrival to first token) and inter-token latency (between consecutive tokens of a
+request) at p50/p90/p99, and goodput: requests per second that met both latency limits
+(--slo-ttft seconds to the first token, --slo-tpot seconds per later token, on average).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from minillm.engine import Engine
+from minillm.fast import FastCausalLM
+
+SYSTEM_TOKENS, SHARED_SHARE = 64, 0.5  # two shared system prompts of 64 tokens, on half of the requests
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float               # seconds after the start of the run
+    prompt: list[int]
+    max_new_tokens: int
+
+
+def serving_workload(source: list[int], n: int, rate: float | None, seed: int = 0, prompt_range=(16, 256),
+                     new_range=(16, 96)) -> list[Arrival]:
+    """n requests cut from `source` ids; Poisson arrivals at `rate` per second, or all at 0 (rate None).
+
+    A request's prompt length (drawn from prompt_range) includes its system prompt when it has one."""
+    rng = random.Random(seed)
+    systems = [source[:SYSTEM_TOKENS], source[SYSTEM_TOKENS:2 * SYSTEM_TOKENS]]
+    at, out = 0.0, []
+    for _ in range(n):
+        length, new = rng.randint(*prompt_range), rng.randint(*new_range)
+        prefix = rng.choice(systems) if rng.random() < SHARED_SHARE and length > SYSTEM_TOKENS else []
+        start = rng.randrange(2 * SYSTEM_TOKENS, len(source) - length)
+        out.append(Arrival(at, prefix + source[start:start + length - len(prefix)], new))
+        at += rng.expovariate(rate) if rate else 0.0
+    return out
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least p% of the values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def serving_metrics(workload: list[Arrival], times: list[list[float]], slo_ttft: float, slo_tpot: float) -> dict:
+    """Throughput, latency percentiles and goodput from each request's token times (seconds from the start)."""
+    ttft = [t[0] - w.at for w, t in zip(workload, times)]
+    itl = [b - a for t in times for a, b in zip(t, t[1:])]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0 for t in times]
+    span = max(t[-1] for t in times) - min(w.at for w in workload)
+    good = sum(f <= slo_ttft and p <= slo_tpot for f, p in zip(ttft, tpot))
+    metrics = {"throughput": sum(map(len, times)) / span, "goodput": good / span, "met_slo": good}
+    for p in PERCENTILES:
+        metrics[f"ttft_p{p}"], metrics[f"itl_p{p}"] = percentile(ttft, p), percentile(itl or [0.0], p)
+    return metrics
+
+
+def _wait_until(t0: float, at: float) -> None:
+    time.sleep(max(0.0, t0 + at - time.perf_counter()))
+
+
+def minillm_serving(model, tokenizer, workload: list[Arrival]) -> list[list[float]]:
+    """Each request's token times on minillm's engine, requests added as they arrive."""
+    blocks = sum(-(-(len(w.prompt) + w.max_new_tokens) // 16) for w in workload)  # room for all at once
+    engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(workload))
+    engine.add_request(workload[0].prompt[:8], None, 2, eos_token_ids=())  # warm-up, before the clock starts
+    while engine.has_unfinished():
+        engine.step()
+    index, times, i, t0 = {}, defaultdict(list), 0, time.perf_counter()
+    while i < len(workload) or engine.has_unfinished():
+        while i < len(workload) and workload[i].at <= time.perf_counter() - t0:
+            index[engine.add_request(workload[i].prompt, None, workload[i].max_new_tokens, eos_token_ids=())] = i
+            i += 1
+        if not engine.has_unfinished():
+            _wait_until(t0, workload[i].at)
+            continue
+        for out in engine.step():
+            if out.token_id is not None:
+                times[index[out.request_id]].append(time.perf_counter() - t0)
+    return [times[j] for j in range(len(workload))]
+
+
+def transformers_continuous(hf, workload: list[Arrival]) -> list[list[float]]:
+    """Each request's token times on transformers' ContinuousBatchingManager, requests added as they arrive."""
+    # imported on use: transformers is the peer, installed for tests and benchmarks only (requirements-dev.txt)
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    pages = sum(-(-(len(w.prompt) + w.max_new_tokens) // 256) for w in workload)
+    manager = hf.init_continuous_batching(
+        GenerationConfig(do_sample=False, max_new_tokens=max(w.max_new_tokens for w in workload), eos_token_id=-1,
+                         pad_token_id=0),
+        ContinuousBatchingConfig(page_size=256, num_blocks=pages + 4, max_batch_tokens=2048))
+    manager.start()
+    try:
+        manager.add_request(workload[0].prompt[:8], request_id="warm-up", max_new_tokens=2)
+        while manager.get_result(request_id="warm-up", timeout=600) is None:
+            pass
+        results, i, t0 = {}, 0, time.perf_counter()
+        while len(results) < len(workload):
+            while i < len(workload) and workload[i].at <= time.perf_counter() - t0:
+                manager.add_request(workload[i].prompt, request_id=str(i), max_new_tokens=workload[i].max_new_tokens,
+                                    record_timestamps=True, eos_token_id=-1)
+                i += 1
+            due = t0 + workload[i].at - time.perf_counter() if i < len(workload) else 1.0
+            out = manager.get_result(timeout=min(max(due, 0.001), 1.0))
+            if out is not None and out.is_finished():
+                assert out.error is None, out.error
+                results[int(out.request_id)] = [s - t0 for s in out.timestamps]
+    finally:
+        manager.stop(block=True)
+        hf.destroy_cached_continuous_batching_manager()
+    return [results[j] for j in range(len(workload))]
+
+
+def transformers_static(hf, workload: list[Arrival], pad_id: int = 0) -> list[list[float]]:
+    """Each request's token times on transformers' padded generate, as a static-batching server."""
+    # imported on use: transformers is the peer, installed for tests and benchmarks only (requirements-dev.txt)
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Clock(LogitsProcessor):  # called once per step, when its tokens' logits are ready
+        def __call__(self, input_ids, scores):
+            steps.append(time.perf_counter() - t0)
+            return scores
+
+    times, i, t0 = [None] * len(workload), 0, time.perf_counter()
+    while i < len(workload):
+        _wait_until(t0, workload[i].at)
+        batch = [j for j in range(i, len(workload)) if workload[j].at <= time.perf_counter() - t0]
+        T, longest, steps = max(len(workload[j].prompt) for j in batch), max(workload[j].max_new_tokens for j in batch), []
+        ids, mask = torch.full((len(batch), T), pad_id), torch.zeros(len(batch), T, dtype=torch.long)
+        for b, j in enumerate(batch):
+            ids[b, T - len(workload[j].prompt):], mask[b, T - len(workload[j].prompt):] = torch.tensor(workload[j].prompt), 1
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                        do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
+                        logits_processor=LogitsProcessorList([Clock()]))
+        for j in batch:
+            times[j] = steps[:workload[j].max_new_tokens]
+        i = batch[-1] + 1
+    return times
+
+
+SIDES = {"vs continuous batch": transformers_continuous, "vs padded generate": transformers_static}
+METRICS = [("throughput", "tok/s", 1), ("goodput", "req/s", 1)] + [
+    (f"{kind}_p{p}", "ms", 1e3) for kind in ("ttft", "itl") for p in PERCENTILES]
+
+
+def counted(workload: list[Arrival], times: list[list[float]]) -> list[list[float]]:
+    """The token times, once each request is seen to have made exactly its max_new_tokens."""
+    made = [len(t) for t in times]
+    assert made == [w.max_new_tokens for w in workload], f"tokens made {made}, asked for {[w.max_new_tokens for w in workload]}"
+    return times
+
+
+def serve_rows(sides, args, row, source: list[int]) -> None:
+    """Rows of the serve section: a Poisson workload at --rate and a burst, minillm's fast engine
+    against each of transformers' two ways on every metric. source: the ids prompts are cut from."""
+    n = 8 if args.quick else args.serve_requests
+    ranges = {"prompt_range": (8, 48), "new_range": (4, 16)} if args.quick else {}
+    model = FastCausalLM(sides.model).eval()
+    for label, rate in ((f"poisson {args.rate:g}/s", args.rate), ("burst", None)):
+        workload = serving_workload(source, n, rate, seed=n, **ranges)
+        ours = serving_metrics(workload, counted(workload, minillm_serving(model, sides.tokenizer, workload)),
+                               args.slo_ttft, args.slo_tpot)
+        for peer, serve in SIDES.items():
+            theirs = serving_metrics(workload, counted(workload, serve(sides.hf, workload)), args.slo_ttft, args.slo_tpot)
+            for key, unit, scale in METRICS:
+                row("serve", peer, f"{label} {key.replace('_', ' ')}", unit, ours[key] * scale, theirs[key] * scale,
+                    n=n)
