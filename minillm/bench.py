@@ -51,7 +51,8 @@ JSON schema (--json prints it, --out FILE writes it too):
      "args": {...the flags...}, "skipped": {variant: reason},
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
-     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"speculative"|"lora"|"serve" (in this order),
+     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"speculative"|"lora"|"serve"
+               (in this order),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
                "metric": "load time", "build time", "time to first token", "prefill",
                          "decode", "greedy agreement", "weight memory", "transformers footprint",

@@ -152,10 +152,11 @@ def transformers_static(hf, workload: list[Arrival], pad_id: int = 0) -> list[li
     while i < len(workload):
         _wait_until(t0, workload[i].at)
         batch = [j for j in range(i, len(workload)) if workload[j].at <= time.perf_counter() - t0]
-        T, longest, steps = max(len(workload[j].prompt) for j in batch), max(workload[j].max_new_tokens for j in batch), []
+        prompts, steps = [workload[j].prompt for j in batch], []
+        T, longest = max(map(len, prompts)), max(workload[j].max_new_tokens for j in batch)
         ids, mask = torch.full((len(batch), T), pad_id), torch.zeros(len(batch), T, dtype=torch.long)
-        for b, j in enumerate(batch):
-            ids[b, T - len(workload[j].prompt):], mask[b, T - len(workload[j].prompt):] = torch.tensor(workload[j].prompt), 1
+        for b, prompt in enumerate(prompts):  # left padding: every prompt ends in the last column
+            ids[b, T - len(prompt):], mask[b, T - len(prompt):] = torch.tensor(prompt), 1
         with torch.no_grad():
             hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                         do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
@@ -174,7 +175,8 @@ METRICS = [("throughput", "tok/s", 1), ("goodput", "req/s", 1)] + [
 def counted(workload: list[Arrival], times: list[list[float]]) -> list[list[float]]:
     """The token times, once each request is seen to have made exactly its max_new_tokens."""
     made = [len(t) for t in times]
-    assert made == [w.max_new_tokens for w in workload], f"tokens made {made}, asked for {[w.max_new_tokens for w in workload]}"
+    asked = [w.max_new_tokens for w in workload]
+    assert made == asked, f"tokens made {made}, asked for {asked}"
     return times
 
 
@@ -189,7 +191,8 @@ def serve_rows(sides, args, row, source: list[int]) -> None:
         ours = serving_metrics(workload, counted(workload, minillm_serving(model, sides.tokenizer, workload)),
                                args.slo_ttft, args.slo_tpot)
         for peer, serve in SIDES.items():
-            theirs = serving_metrics(workload, counted(workload, serve(sides.hf, workload)), args.slo_ttft, args.slo_tpot)
+            theirs = serving_metrics(workload, counted(workload, serve(sides.hf, workload)), args.slo_ttft,
+                                     args.slo_tpot)
             for key, unit, scale in METRICS:
                 row("serve", peer, f"{label} {key.replace('_', ' ')}", unit, ours[key] * scale, theirs[key] * scale,
                     n=n)

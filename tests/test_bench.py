@@ -12,7 +12,8 @@ import pytest
 from minillm import bench, bench_serve, roofline
 from minillm.bench_speculative import TASKS
 
-QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1", "--rate", "20"]
+QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1",
+         "--rate", "20"]
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,8 @@ def test_paged_attention_equals_dense_attention(H, Hkv, D, bs, length, T):
     g = torch.Generator().manual_seed(T)
     table = torch.randperm(num_blocks, generator=g)[: -(-length // bs)].tolist()  # blocks in no order
     q = 2 * torch.randn(H, T, D, generator=g)
-    torch.testing.assert_close(paged_attention_reference(q, pool, table, length), dense_attention(q, pool, table, length))
+    want = dense_attention(q, pool, table, length)
+    torch.testing.assert_close(paged_attention_reference(q, pool, table, length), want)
 
 
 def test_scale_is_used():
