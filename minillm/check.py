@@ -80,6 +80,7 @@ from minillm.check_model import (
     transpose,
 )
 from minillm.check_serving import (
+    fold_block,
     batch_layout,
     dequantize_q4_1,
     gather_reference,
@@ -97,7 +98,7 @@ __all__ = [
     "naive_attention", "causal_mask", "attention_weights", "scaled_dot_product_attention",
     "rotate_half", "rope_cos_sin", "apply_rope",
     "rms_norm", "mlp_forward", "attention_forward", "decoder_layer_forward",
-    "kv_cache_update", "gather_reference", "batch_layout", "top_k_filter", "top_p_filter", "min_p_filter", "fake_quant", "quantize_int4",
+    "kv_cache_update", "gather_reference", "batch_layout", "fold_block", "top_k_filter", "top_p_filter", "min_p_filter", "fake_quant", "quantize_int4",
     "dequantize_q4_1", "unpermute_qk", "bpe", "stream_decoder_push", "stop_strings_push", "greedy_decode", "stream",
     "explore_transpose_copy_bytes", "explore_gqa_saved_bytes_per_token", "explore_kv_crossover_tokens",
     "explore_tail", "explore_broken_tokens", "explore_int4_bits_per_weight", "explore_slow_pairs_theta_10k",
@@ -119,6 +120,7 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "rms_norm": rms_norm, "MLP.forward": mlp_forward,
     "Attention.forward": attention_forward, "DecoderLayer.forward": decoder_layer_forward,
     "KVCache.update": kv_cache_update, "gather_reference": gather_reference, "batch_layout": batch_layout,
+    "fold_block": fold_block,
     "top_k_filter": top_k_filter, "top_p_filter": top_p_filter, "min_p_filter": min_p_filter,
     "fake_quant": fake_quant, "quantize_int4": quantize_int4, "dequantize_q4_1": dequantize_q4_1,
     "unpermute_qk": unpermute_qk, "bpe": bpe, "StreamDecoder.push": stream_decoder_push,

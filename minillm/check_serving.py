@@ -6,12 +6,14 @@ see minillm/check.py for how they are called.
 
 from __future__ import annotations
 
+import math
 
 import gguf
 import numpy as np
 import torch
 
 from minillm.check_harness import compare, expect_raises, fail, run_check
+from minillm.paged_attention import empty_state
 from minillm.paged_cache import BlockManager, PagedKVCache
 
 
@@ -119,6 +121,62 @@ def batch_layout(fn) -> bool:
             fail(f"start_pos with new_tokens [3, 1]: expected C = 6, got {got.start_pos}",
                  "start_pos is the number of key columns before the new part: C, the largest cached count")
     return run_check("batch_layout", body)
+
+
+def _folded(scores: torch.Tensor, values: torch.Tensor, block: int, rescale_l: bool = True, rescale_acc: bool = True,
+            inverted: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(m, l, acc) after each block, by the recurrence, or by a known slip in it (planted by the flags)."""
+    T, D = scores.shape[0], values.shape[-1]
+    m, l, acc, states = torch.full((T,), -math.inf), torch.zeros(T), torch.zeros(T, D), []
+    for start in range(0, scores.shape[1], block):
+        s, v = scores[:, start:start + block], values[start:start + block]
+        new_m = torch.maximum(m, s.amax(-1))
+        safe = new_m.masked_fill(new_m == -math.inf, 0.0)
+        rescale = torch.exp(safe - m) if inverted else torch.exp(m - safe)
+        p = torch.exp(s - safe[:, None])
+        l = (l * rescale if rescale_l else l) + p.sum(-1)
+        acc = (acc * rescale[:, None] if rescale_acc else acc) + p @ v
+        m = new_m
+        states.append((m, l, acc))
+    return states
+
+
+def fold_block(fn) -> bool:
+    """fold_block(state, scores, values) -> (m, l, acc) after one more block of keys: the online softmax."""
+    def body():
+        g = torch.Generator().manual_seed(0)
+        scores = torch.stack([torch.tensor([3.0, 91.0, 40.0, 7.5, 96.0, 12.0, 88.0, 95.5, 1.0, 60.0]),  # exp overflows
+                              torch.randn(10, generator=g)])                                        # (T = 2, 10 keys)
+        scores[1, :4] = -math.inf  # the second query's first block is all masked
+        values = torch.randn(10, 3, generator=g)
+        want = _folded(scores, values, 4)
+        slips = {"l": [("rescale l too: l' = l exp(m - m') + sum exp(s - m')", _folded(scores, values, 4, False))],
+                 "acc": [("rescale acc too: acc' = acc exp(m - m') + exp(s - m') @ values",
+                          _folded(scores, values, 4, rescale_acc=False)),
+                         ("the old sums shrink: multiply by exp(m - m'), which is at most 1, not exp(m' - m)",
+                          _folded(scores, values, 4, inverted=True))]}
+        state = empty_state((2,), 3)
+        for i, start in enumerate(range(0, 10, 4)):
+            got = fn(state, scores[:, start:start + 4], values[start:start + 4])
+            if not isinstance(got, tuple) or len(got) != 3:
+                fail(f"expected a SoftmaxState (m, l, acc), got {type(got).__name__}")
+            where = f"after keys {start}..{min(start + 4, 10) - 1}"
+            finite = torch.isfinite(got[1]) & torch.isfinite(got[2]).all(-1)  # (T,) per query
+            if not finite.all():
+                fail(f"{where}: l or acc holds inf or NaN for query {int((~finite).nonzero()[0])}", (
+                    "query 1's keys so far are all masked, so m' is -inf: subtract 0 for it instead, so that "
+                    "exp(-inf - (-inf)) never appears") if finite[0] else (
+                    "subtract the new maximum before exp, and multiply the old sums by exp(m - m'), which is at most "
+                    "1 (not exp(m' - m))"))
+            compare(f"{where}: m", got[0], want[i][0], hint="m' is the larger of the old m and the block's own maximum")
+            for j, name in ((1, "l"), (2, "acc")):
+                compare(f"{where}: {name}", got[j], want[i][j], atol=1e-5, rtol=1e-5,
+                        mistakes=[(hint, slip[i][j]) for hint, slip in slips[name]],
+                        hint="subtract m' from every score of the block before exp, and rescale the old sums")
+            state = got
+        compare("acc / l after all blocks", state[2] / state[1][:, None], torch.softmax(scores, -1) @ values,
+                atol=1e-5, rtol=1e-5)
+    return run_check("fold_block", body)
 
 
 # ------------------------------------------------------------------ 09 sampling

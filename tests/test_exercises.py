@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from minillm import attention, check, check_model, kv_cache, layers, model, paged_cache, quant, rope, sampling, tensor
+from minillm import attention, check, check_model, kv_cache, layers, model, paged_attention, paged_cache, quant, rope, sampling, tensor
 
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
@@ -77,6 +77,7 @@ def _calls(ns: dict) -> dict:
         "KVCache.update": lambda cls: cls(1, 4, 1, 2).update(0, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2)),
         "gather_reference": lambda f: f(paged_cache.PagedKVCache(2, 4, 1, 2), [0, 1], 5),
         "batch_layout": lambda f: f(_one_sequence_manager(), ["s"], 1),
+        "fold_block": lambda f: f(paged_attention.empty_state((1,), 2), torch.zeros(1, 3), torch.zeros(3, 2)),
         "top_k_filter": lambda f: f(torch.randn(1, 5), 2),
         "top_p_filter": lambda f: f(torch.randn(1, 5), 0.5),
         "min_p_filter": lambda f: f(torch.randn(1, 5), 0.1),
@@ -614,7 +615,8 @@ REFERENCE = {
     "rope_cos_sin": rope.rope_cos_sin, "apply_rope": rope.apply_rope, "rms_norm": layers.rms_norm,
     "MLP.forward": layers.MLP, "Attention.forward": model.Attention, "DecoderLayer.forward": model.DecoderLayer,
     "KVCache.update": kv_cache.KVCache, "gather_reference": paged_cache.gather_reference,
-    "batch_layout": paged_cache.batch_layout, "top_k_filter": sampling.top_k_filter,
+    "batch_layout": paged_cache.batch_layout, "fold_block": paged_attention.fold_block,
+    "top_k_filter": sampling.top_k_filter,
     "top_p_filter": sampling.top_p_filter, "min_p_filter": sampling.min_p_filter,
     "quantize_int4": quant.quantize_int4, "dequantize_q4_1": quant.dequantize_q4_1,
     **LOADING_REFERENCE,
@@ -751,6 +753,10 @@ def gather_whole_blocks(cache, block_table, length):
     return k, v
 
 
+def _fold_variant(old: str, new: str, label: str):
+    return _variant(paged_attention.fold_block, old, new, label)
+
+
 def layout_left_aligned(manager, seq_ids, T, device=None):
     right = paged_cache.batch_layout(manager, seq_ids, T, device=device)
     lengths = [manager.num_tokens(s) for s in seq_ids]
@@ -800,6 +806,15 @@ PLANTED = [
     ("KVCache.update", CacheReturningCopies, "not a view"),
     ("gather_reference", gather_whole_blocks, "the last block is only partly used"),
     ("batch_layout", layout_left_aligned, "padding goes on the LEFT"),
+    ("fold_block", _fold_variant("state.l * rescale", "state.l", "fold_without_rescaling_l"), "rescale l too"),
+    ("fold_block", _fold_variant("state.acc * rescale[..., None]", "state.acc", "fold_without_rescaling_acc"),
+     "rescale acc too"),
+    ("fold_block", _fold_variant("torch.exp(state.m - m_safe)", "torch.exp(m_safe - state.m)", "fold_inverted_rescale"),
+     "which is at most 1 (not exp(m' - m))"),
+    ("fold_block", _fold_variant("m = torch.maximum(state.m, scores.amax(-1))", "m = scores.amax(-1)",
+                                 "fold_block_maximum_only"), "the larger of the old m and the block's own maximum"),
+    ("fold_block", _fold_variant("m_safe = m.masked_fill(m == -math.inf, 0.0)", "m_safe = m", "fold_nan_when_masked"),
+     "subtract 0 for it instead"),
     ("top_k_filter", top_k_zero_fill, "-inf, not 0"),
     ("top_p_filter", top_p_drops_crossing, "did you keep the token that crosses the threshold?"),
     ("min_p_filter", min_p_absolute, "p times the top token's probability"),
