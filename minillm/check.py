@@ -80,9 +80,9 @@ from minillm.check_model import (
     transpose,
 )
 from minillm.check_serving import (
-    fold_block,
     batch_layout,
     dequantize_q4_1,
+    fold_block,
     gather_reference,
     kv_cache_update,
     min_p_filter,
