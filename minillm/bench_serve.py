@@ -29,8 +29,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
-
+from minillm.bench_engine import transformers_padded_batch
 from minillm.engine import Engine
 from minillm.fast import FastCausalLM
 
@@ -151,16 +150,9 @@ def transformers_static(hf, workload: list[Arrival], pad_id: int = 0) -> list[li
     times, i, t0 = [None] * len(workload), 0, time.perf_counter()
     while i < len(workload):
         _wait_until(t0, workload[i].at)
-        batch = [j for j in range(i, len(workload)) if workload[j].at <= time.perf_counter() - t0]
-        prompts, steps = [workload[j].prompt for j in batch], []
-        T, longest = max(map(len, prompts)), max(workload[j].max_new_tokens for j in batch)
-        ids, mask = torch.full((len(batch), T), pad_id), torch.zeros(len(batch), T, dtype=torch.long)
-        for b, prompt in enumerate(prompts):  # left padding: every prompt ends in the last column
-            ids[b, T - len(prompt):], mask[b, T - len(prompt):] = torch.tensor(prompt), 1
-        with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                        do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
-                        logits_processor=LogitsProcessorList([Clock()]))
+        batch, steps = [j for j in range(i, len(workload)) if workload[j].at <= time.perf_counter() - t0], []
+        transformers_padded_batch(hf, [(workload[j].prompt, workload[j].max_new_tokens) for j in batch], pad_id,
+                                  logits_processor=LogitsProcessorList([Clock()]))
         for j in batch:
             times[j] = steps[:workload[j].max_new_tokens]
         i = batch[-1] + 1
