@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from minillm.attention import causal_mask
 from minillm.paged_cache import PagedKVCache
 
 
@@ -69,14 +70,13 @@ def paged_attention_reference(q: torch.Tensor, cache: PagedKVCache, block_table:
     _check_reference(q, cache, block_table, length)
     (H, T, D), bs, Hkv = q.shape, cache.k.shape[1], cache.k.shape[2]
     qg = q.view(Hkv, H // Hkv, T, D) * (D ** -0.5 if scale is None else scale)  # (H, T, D) -> (Hkv, G, T, D)
-    query_pos = torch.arange(length - T, length, device=q.device)                # (T,) absolute positions
+    allowed = causal_mask(T, length, length - T, q.device)                       # (T, length): notebook 02's rule
     state = empty_state((Hkv, H // Hkv, T), D, q.device)
     for i, block in enumerate(block_table[: -(-length // bs)]):
         n = min(bs, length - i * bs)                              # keys in this block: bs but in the last
         k = cache.k[block, :n].transpose(0, 1)[:, None]           # (n, Hkv, D) -> (Hkv, 1, n, D): a view
         v = cache.v[block, :n].transpose(0, 1)[:, None]
         scores = qg @ k.transpose(-1, -2)                         # (Hkv, G, T, D) @ (Hkv, 1, D, n) -> (Hkv, G, T, n)
-        key_pos = torch.arange(i * bs, i * bs + n, device=q.device)
-        scores = scores.masked_fill(key_pos > query_pos[:, None], -math.inf)  # (T, n): causal
+        scores = scores.masked_fill(~allowed[:, i * bs : i * bs + n], -math.inf)  # this block's (T, n) columns
         state = fold_block(state, scores, v)
     return (state.acc / state.l[..., None]).view(H, T, D)     # (Hkv, G, T, D) -> (H, T, D)

@@ -115,11 +115,11 @@ def test_planted_missing_rescale_fails(monkeypatch):
 
 
 def test_planted_causal_slip_fails():
-    """A prefill chunk whose queries see one key too many (the mask one position late) must fail."""
+    """A prefill chunk whose queries see one key too few (the mask one position early) must fail."""
     source = inspect.getsource(paged_attention.paged_attention_reference)
-    assert source.count("key_pos > query_pos[:, None]") == 1
+    assert source.count("causal_mask(T, length, length - T,") == 1
     namespace = dict(vars(paged_attention))
-    exec(source.replace("key_pos > query_pos[:, None]", "key_pos > query_pos[:, None] + 1"), namespace)
+    exec(source.replace("causal_mask(T, length, length - T,", "causal_mask(T, length, length - T - 1,"), namespace)
     pool, g = random_pool(8, 4, 2, 8, seed=4), torch.Generator().manual_seed(4)
     q, table = torch.randn(4, 6, 8, generator=g), [2, 7, 4, 0]
     want = dense_attention(q, pool, table, 14)
