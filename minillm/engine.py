@@ -8,7 +8,8 @@ sequences, samples each with its own parameters, streams text, finishes sequence
 conditions and frees their blocks. Out of blocks: the newest running sequence is preempted
 (blocks freed, requeued, recomputed later). A request for n choices is prefilled once; its n
 sequences then share the prompt's blocks (BlockManager.fork, copy-on-write), and choice i samples
-with seed + i. In the manner of nano-vllm, without its global context.
+with seed + i. A decode step over many cached tokens reads the blocks where they lie (notebook
+11's FlexAttention path) wherever it runs; prefills and shorter decode steps gather them. In the manner of nano-vllm, without its global context.
 
 Shape legend: B batch (running sequences), T new tokens, V vocab.
 """
@@ -26,6 +27,8 @@ from minillm.constrained import Constraints, apply_constraints
 from minillm.generate import TextStream, check_prompt
 from minillm.lora import adapter_index
 from minillm.model import CausalLM
+from minillm.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, check_attention, decode_layout,
+                                     use_paged_attention)
 from minillm.paged_cache import BlockManager, PagedView, batch_layout, make_paged_cache
 from minillm.sampling import SamplingParams, make_generator, sample
 from minillm.tokenizer import Tokenizer
@@ -182,18 +185,34 @@ class Scheduler:
         return admitted, decoding, rejected
 
 
+def paged_step(attention: str, model: CausalLM, manager: BlockManager, seq_ids: list, T: int) -> bool:
+    """Does this step read the blocks in place (notebook 11)? Only a decode step (T = 1): always with
+    "paged"; with "auto", from PAGED_MIN_TOKENS tokens held, where the kernel runs (probed once)."""
+    if T != 1 or attention == "gather":
+        return False
+    if attention == "auto" and sum(map(manager.num_tokens, seq_ids)) < PAGED_MIN_TOKENS:
+        return False
+    param = next(model.parameters())
+    return use_paged_attention(attention, model.config, param.dtype, param.device)
+
+
 def forward_batch(model: CausalLM, cache: list, manager: BlockManager, seqs: list[Sequence],
-                  new_ids: list[list[int]], sink_slot: int) -> torch.Tensor:
-    """Next-token logits (B, V): one forward computing each sequence's new tokens (left-padded to T)."""
-    device = next(model.parameters()).device
-    layout = batch_layout(manager, [s.id for s in seqs], [len(n) for n in new_ids], sink_slot, device)
-    T = layout.slots.shape[1]
+                  new_ids: list[list[int]], sink_slot: int, attention: str = "gather") -> torch.Tensor:
+    """Next-token logits (B, V): one forward computing each sequence's new tokens (left-padded to T).
+
+    attention: how a decode step reads the cache ("auto", "paged" or "gather": `paged_step`)."""
+    device, seq_ids, T = next(model.parameters()).device, [s.id for s in seqs], max(map(len, new_ids))
     ids = torch.tensor([[0] * (T - len(n)) + n for n in new_ids], device=device)  # (B, T)
-    views = [PagedView(c, layout) for c in cache]
+    if paged_step(attention, model, manager, seq_ids, T):
+        layout, mask = decode_layout(manager, seq_ids, cache[0].k.shape[0], device), None
+        views = [BlockTableView(c, layout) for c in cache]
+    else:
+        layout = batch_layout(manager, seq_ids, [len(n) for n in new_ids], sink_slot, device)
+        alike = len({(manager.num_tokens(s.id), len(n)) for s, n in zip(seqs, new_ids)}) == 1  # no row padded
+        views, mask = [PagedView(c, layout) for c in cache], None if alike else layout.attention_mask
     loras = {"adapter_ids": torch.tensor([s.lora for s in seqs], device=device)} if any(s.lora for s in seqs) else {}
-    alike = len({(manager.num_tokens(s.id), len(n)) for s, n in zip(seqs, new_ids)}) == 1  # no row padded
-    logits = model(ids, positions=layout.positions, attention_mask=None if alike else layout.attention_mask,
-                   cache=views, start_pos=layout.start_pos, logits_to_keep=1, **loras)  # (B, 1, V); LoRA: nb 19
+    logits = model(ids, positions=layout.positions, attention_mask=mask, cache=views, start_pos=layout.start_pos,
+                   logits_to_keep=1, **loras)  # (B, 1, V); LoRA: nb 19
     return logits[:, -1]  # every row's last new token sits in the last column
 
 
@@ -307,12 +326,13 @@ class EngineCore:
     """The stepping half of the engine: a model, a paged KV cache, a scheduler and `step`."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, num_blocks: int = 512, block_size: int = 16,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = True, max_prefill_tokens: int = 4096):
-        param = next(model.parameters())
-        self.model, self.tokenizer, self.device = model, tokenizer, param.device
+                 max_num_seqs: int = 64, enable_prefix_caching: bool = True, max_prefill_tokens: int = 4096,
+                 attention: str = "auto"):
+        self.model, self.tokenizer, self.device = model, tokenizer, (param := next(model.parameters())).device
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
         self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
+        self.attention = check_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 11
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
         self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings)
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
@@ -331,16 +351,15 @@ class EngineCore:
     def step(self) -> list[Output]:
         """One round: schedule, prefill the admitted, one decode forward for the running, sample, finish."""
         admitted, decoding, rejected = self.scheduler.schedule()
-        outputs = []
         for seq in rejected:
             self._finish(seq, "error", never_fits(self.manager, seq, self.scheduler.max_model_len))
-            outputs.append(Output(seq.id, None, "", True, "error", seq.error))
+        outputs = [Output(seq.id, None, "", True, "error", seq.error) for seq in rejected]
         copy_blocks(self.cache, self.manager)
         groups = prefill_groups(admitted, self.max_prefill_tokens, self.scheduler.max_model_len)
         batches = [(g, [seq.token_ids[seq.num_cached:] for seq in g]) for g in groups]  # what the cache lacks
         batches += [(decoding, [[seq.pending] for seq in decoding])] if decoding else []  # one token each
         for seqs, new_ids in batches:
-            logits = forward_batch(self.model, self.cache, self.manager, seqs, new_ids, self.sink_slot)  # (B, V)
+            logits = forward_batch(self.model, self.cache, self.manager, seqs, new_ids, self.sink_slot, self.attention)
             seqs, logits = fork_choices(self.manager, self.scheduler.running, seqs, logits)  # n > 1: choices join
             for out in sample_batch(seqs, logits):
                 if out.finished:

@@ -121,12 +121,13 @@ class FastLayer(nn.Module):
         rotated = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)  # rotate_half, q and k at once
         qk = qk * cos + rotated * sin  # cos, sin (B or 1, T, 1, D) broadcast over the heads
         q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        if cache is not None:
-            k, v = cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
-        if mask is None:  # no padding: decode sees every key, a fresh prompt is plainly causal
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        if hasattr(cache, "attend"):  # paged attention (notebook 11): the cache reads its own blocks
+            out = cache.attend(q, k, v)  # (B, H, T, D)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+            k, v = (k, v) if cache is None else cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
+            # no mask: no padding, so decode sees every key and a fresh prompt is plainly causal
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                 enable_gqa=True)  # (B, H, T, D)
         x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, h)
         gate, up = self.gate_up_proj(F.rms_norm(x, (h,), self.post_norm, self.eps)).split(self.intermediate_size, -1)
         return x + self.down_proj(F.silu(gate) * up)  # (B, T, I) -> (B, T, h)

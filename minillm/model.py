@@ -210,9 +210,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
         q, k = apply_rope(q, cos, sin, check=False), apply_rope(k, cos, sin, check=False)  # shapes checked at entry
-        if cache is not None:  # keys/values of tokens 0..pos-1 are cached: append ours, attend to all
-            k, v = cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
-        out = scaled_dot_product_attention(q, k, v, mask, check=False)  # (B, H, T, D)
+        if hasattr(cache, "attend"):  # a paged cache that reads its own blocks (notebook 11) attends itself
+            out = cache.attend(q, k, v)  # (B, H, T, D)
+        else:
+            if cache is not None:  # keys/values of tokens 0..pos-1 are cached: append ours, attend to all
+                k, v = cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
+            out = scaled_dot_product_attention(q, k, v, mask, check=False)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, H, T, D) -> (B, T, H*D)
         return self.o_proj(out)  # (B, T, h)
 

@@ -15,8 +15,8 @@ that must change). Token `p` of a sequence lives in slot
 `table[p // block_size] * block_size + p % block_size` of the flattened pool. `batch_layout`
 turns the block tables of a batch into index tensors, and `PagedView` is what the model sees as
 `cache[i]`: it writes the new keys/values into their slots and gathers each sequence's
-keys/values into a dense, right-aligned (B, Hkv, S, D) batch (a copy per layer per step, not
-yet paged attention).
+keys/values into a dense, right-aligned (B, Hkv, S, D) batch (a copy per layer per step).
+minillm/paged_attention.py, from the same notebook, reads the blocks where they lie instead.
 
 Shape legend: B batch, T new tokens, S keys, Hkv kv heads, D head dim, N blocks, bs block size.
 """
@@ -419,21 +419,24 @@ class PagedView:
     def __init__(self, cache: PagedKVCache, layout: BatchLayout):
         self.cache, self.layout = cache, layout
 
-    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, Hkv, T, D) at layout.slots; return all keys/values (B, Hkv, S, D), a dense copy."""
-        layout = self.layout
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, Hkv, T, D) at layout.slots; return the pool's keys and values, (N*bs, Hkv, D) each."""
         N, bs, Hkv, D = self.cache.k.shape
-        B, T = layout.slots.shape
-        _check_update(layout, self.cache.k.shape, pos, k, v)
+        B, T = self.layout.slots.shape
         k_pool = self.cache.k.view(N * bs, Hkv, D)  # (N, bs, Hkv, D) -> (N*bs, Hkv, D): one row per slot
         v_pool = self.cache.v.view(N * bs, Hkv, D)
-        flat = layout.slots.flatten()                # (B*T,)
+        flat = self.layout.slots.flatten()           # (B*T,)
         k_pool[flat] = k.transpose(1, 2).reshape(B * T, Hkv, D)  # (B, Hkv, T, D) -> (B*T, Hkv, D)
         v_pool[flat] = v.transpose(1, 2).reshape(B * T, Hkv, D)
-        k_all = k_pool[layout.gather].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D): the gather, a copy
-        v_all = v_pool[layout.gather].transpose(1, 2)
-        return k_all, v_all
+        return k_pool, v_pool
 
+    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, Hkv, T, D) at layout.slots; return all keys/values (B, Hkv, S, D), a dense copy."""
+        _check_update(self.layout, self.cache.k.shape, pos, k, v)
+        k_pool, v_pool = self.write(k, v)
+        k_all = k_pool[self.layout.gather].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D): the gather, a copy
+        v_all = v_pool[self.layout.gather].transpose(1, 2)
+        return k_all, v_all
 
 def paged_forward(model, cache: list[PagedKVCache], manager: BlockManager, seq_ids: list,
                   input_ids: torch.Tensor) -> torch.Tensor:

@@ -51,9 +51,9 @@ def test_the_prompt_is_prefilled_once_and_its_blocks_are_shared(smollm2, monkeyp
     computed = []  # new tokens per forward: the prompt once, then one per running choice
     forward = engine_module.forward_batch
 
-    def counting(model, cache, manager, seqs, new_ids, sink_slot):
+    def counting(model, cache, manager, seqs, new_ids, sink_slot, *rest):
         computed.append(sum(map(len, new_ids)))
-        return forward(model, cache, manager, seqs, new_ids, sink_slot)
+        return forward(model, cache, manager, seqs, new_ids, sink_slot, *rest)
 
     monkeypatch.setattr(engine_module, "forward_batch", counting)
     engine = Engine(model, tok, num_blocks=64, block_size=16)
