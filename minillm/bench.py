@@ -37,6 +37,8 @@ How things are measured:
   given as a fraction of its ceiling (dtype variants: the dtype's, int8: int8's, int4: int4's).
 - engine: the continuous-batching engine (readable and fast) against transformers' left-padded
   batch generate, useful generated tokens/s at each --requests count.
+- paged: minillm/bench_paged.py (its docstring): one engine decode step of 16 sequences at 256,
+  1024 and 4096 tokens of context, its attention gathered or read through the block tables.
 - speculative: minillm/bench_speculative.py (its docstring): plain greedy decoding, the int4 drafter
   and prompt lookup on an open question and a copy-edit task, against transformers' greedy generate
   and its prompt lookup; acceptance, tokens per forward and equality with plain decoding.
@@ -51,16 +53,17 @@ JSON schema (--json prints it, --out FILE writes it too):
      "args": {...the flags...}, "skipped": {variant: reason},
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
-     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"speculative"|"lora"|"serve"
+     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"paged"|"speculative"|"lora"|"serve"
                (in this order),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
                "metric": "load time", "build time", "time to first token", "prefill",
                          "decode", "greedy agreement", "weight memory", "transformers footprint",
-                         "peak RSS", "matvec", "engine", and the speculative section's "<task> decode",
-                         "<task> vs plain", "<task> accepted", "<task> tokens/forward", "<task> equal to plain",
+                         "peak RSS", "matvec", "engine", the paged section's "decode step, <B> sequences",
+                         the speculative section's "<task> decode", "<task> vs plain", "<task> accepted",
+                         "<task> tokens/forward", "<task> equal to plain",
                          and the lora section's "engine" and "vs base model", the serve section's
                          "<workload> throughput|goodput|ttft pP|itl pP" (variant: "vs <peer>"),
-               "n": prompt tokens (prefill), tokens (decode, agreement), requests (engine, lora), else null,
+               "n": prompt tokens (prefill), tokens (decode, agreement), requests (engine, lora), context (paged),
                "unit": "s" | "ms" | "tok/s" | "req/s" | "tokens" | "MiB" | "x" | "%",
                "minillm", "transformers": numbers or null,
                "ratio": minillm/transformers for tok/s and tokens, transformers/minillm for
@@ -89,6 +92,7 @@ from torch import nn
 from minillm.api import load_tokenizer
 from minillm.bench_engine import engine_rows
 from minillm.bench_lora import lora_rows
+from minillm.bench_paged import paged_rows
 from minillm.bench_serve import serve_rows
 from minillm.bench_speculative import speculative_rows
 from minillm.devices import peak_memory_mib
@@ -103,7 +107,7 @@ from minillm.weights import load_model
 DATA = Path(__file__).resolve().parent.parent / "data"
 VARIANTS = ("readable", "fast", "readable-int8", "readable-int4", "fast-int8", "fast-int4")
 COMPILED = ("fast-compiled", "fast-int4-compiled")
-SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "speculative", "lora", "serve")
+SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "paged", "speculative", "lora", "serve")
 LOWER_IS_BETTER = {"s", "ms", "MiB"}
 
 
@@ -298,6 +302,8 @@ def run_benchmark(args) -> dict:
             gc.collect()
     if what in ("all", "engine"):
         engine_rows(sides, args, row)
+    if what in ("all", "paged"):
+        paged_rows(sides, args, row, skipped)
     if what in ("all", "speculative"):
         speculative_rows(sides, args, row, skipped)
     if what in ("all", "lora"):
@@ -411,6 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     helps = {"all": "every section (the default)", "decode": "batch-1 decode and its ceiling fraction",
              "prefill": "prefill tok/s and time to first token", "ceiling": "matrix-vector ceilings only",
              "engine": "continuous batching vs transformers' padded batch generate",
+             "paged": "an engine decode step at 256-4096 tokens of context: gathered vs paged attention",
              "speculative": "speculative decoding (int4 drafter, prompt lookup) vs plain greedy decoding",
              "lora": "serving 4 LoRA adapters in one batch vs the base model alone (and transformers + PEFT)",
              "serve": "requests arriving over time: throughput, latency percentiles and goodput"}

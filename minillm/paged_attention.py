@@ -132,7 +132,11 @@ def decode_layout(manager: BlockManager, seq_ids: list, pool_blocks: int, device
 
 
 _flex_attention = torch.compile(flex_attention)  # a kernel only when compiled
-_failed: set[tuple] = set()  # shapes the compiler failed on: the uncompiled FlexAttention (exact, slower) serves them
+_failed: dict[tuple, str] = {}  # shapes the compiler failed on, and its error: served uncompiled (exact, slower)
+
+
+def _reason(e: Exception) -> str:  # an error in one line: a compiler's can run to thousands
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
 class BlockTableView(PagedView):
@@ -153,8 +157,8 @@ class BlockTableView(PagedView):
             try:
                 with torch._dynamo.config.patch(recompile_limit=64):  # room for the kernels of many models
                     return _flex_attention(q_rows, keys, values, block_mask=self.layout.block_mask, enable_gqa=True)[:B]
-            except Exception:  # noqa: BLE001 -- any compiler error: these shapes fall back, once and for all
-                _failed.add(shapes)
+            except Exception as e:  # noqa: BLE001 -- any compiler error: these shapes fall back, once and for all
+                _failed[shapes] = _reason(e)
         with warnings.catch_warnings():  # FlexAttention's "called without torch.compile" note: we know
             warnings.simplefilter("ignore")
             return flex_attention(q_rows, keys, values, block_mask=self.layout.block_mask, enable_gqa=True)[:B]
@@ -171,6 +175,7 @@ def _probe(config, dtype: torch.dtype, device: torch.device) -> str | None:
     manager, g = BlockManager(12, 4, enable_prefix_caching=False), torch.Generator().manual_seed(0)
     pool = PagedKVCache(12, 4, Hkv, D, dtype, device)
     pool.k.copy_(torch.randn(pool.k.shape, generator=g)); pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    failed_before = set(_failed)
     try:
         for seqs in ([0], [1, 2, 3]):
             for s in seqs:
@@ -178,6 +183,8 @@ def _probe(config, dtype: torch.dtype, device: torch.device) -> str | None:
             q = torch.randn(len(seqs), H, 1, D, generator=g).to(device, dtype)
             k, v = (torch.randn(len(seqs), Hkv, 1, D, generator=g).to(device, dtype) for _ in range(2))
             out = BlockTableView(pool, decode_layout(manager, seqs, 12, device)).attend(q, k, v)  # (B, H, 1, D)
+            if set(_failed) - failed_before:  # the compiler failed and attend fell back: not the fast path
+                return _failed[(set(_failed) - failed_before).pop()]
             for b, s in enumerate(seqs):
                 keys, values = gather_reference(pool, manager.block_table(s), manager.num_tokens(s))  # (Hkv, L, D)
                 want = F.scaled_dot_product_attention(q[b:b + 1].float(), keys[None].float(), values[None].float(),
@@ -186,7 +193,7 @@ def _probe(config, dtype: torch.dtype, device: torch.device) -> str | None:
                 if not worst <= (1e-4 if dtype == torch.float32 else 3e-2):
                     return f"the compiled kernel differs from the dense attention by {worst:.2e}"
     except Exception as e:  # noqa: BLE001 -- a missing or failing compiler raises many kinds; each means "gather"
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        return _reason(e)
     return None
 
 

@@ -253,3 +253,13 @@ def test_results_are_finite(result):
     for r in result["rows"]:
         for k in ("minillm", "transformers", "ratio", "ceiling_fraction"):
             assert r[k] is None or math.isfinite(r[k])
+
+
+def test_paged_section(result):
+    """Both ways at each quick context, in ms; the paged rows, or the reason they were skipped."""
+    paged = rows(result, section="paged")
+    assert {r["n"] for r in paged if r["variant"] == "fast, gather"} == {32, 96}
+    in_place = {r["n"] for r in paged if r["variant"] == "fast, paged"}
+    assert in_place == {32, 96} or "FlexAttention does not run" in result["skipped"].get("paged paged", "")
+    assert all(r["unit"] == "ms" and r["minillm"] > 0 and r["metric"] == "decode step, 4 sequences" for r in paged)
+    assert bench.parse_args(["paged"]).what == "paged"

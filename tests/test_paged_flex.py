@@ -208,8 +208,11 @@ def test_shapes_the_compiler_fails_on_are_served_uncompiled_and_exact(monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("CppCompileError: planted")
     monkeypatch.setattr(paged_attention, "_flex_attention", broken)
-    monkeypatch.setattr(paged_attention, "_failed", set())
+    monkeypatch.setattr(paged_attention, "_failed", {})
     manager, pool, q, k, v = random_batch(9, 3, 64, 16, [20, 37, 51])
     out = BlockTableView(pool, decode_layout(manager, [0, 1, 2], pool.k.shape[0])).attend(q, k, v)
     torch.testing.assert_close(out, dense(manager, pool, q))
-    assert paged_attention._failed == {(3, pool.k.shape[0] * 16, 9, 3, 64, torch.float32, "cpu")}
+    shapes = (3, pool.k.shape[0] * 16, 9, 3, 64, torch.float32, "cpu")
+    assert paged_attention._failed == {shapes: "RuntimeError: CppCompileError: planted"}
+    config = from_folder(DATA / "tiny-qwen3").config  # the probe reports the compiler's error, not a fast path
+    assert paged_attention._probe(config, torch.float32, torch.device("cpu")) == "RuntimeError: CppCompileError: planted"
