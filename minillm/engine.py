@@ -9,7 +9,8 @@ conditions and frees their blocks. Out of blocks: the newest running sequence is
 (blocks freed, requeued, recomputed later). A request for n choices is prefilled once; its n
 sequences then share the prompt's blocks (BlockManager.fork, copy-on-write), and choice i samples
 with seed + i. A decode step over many cached tokens reads the blocks where they lie (notebook
-11's FlexAttention path) wherever it runs; prefills and shorter decode steps gather them. In the manner of nano-vllm, without its global context.
+11's FlexAttention path) wherever it runs; prefills and shorter decode steps gather them. In the
+manner of nano-vllm, without its global context.
 
 Shape legend: B batch (running sequences), T new tokens, V vocab.
 """
