@@ -108,15 +108,19 @@ def decode_layout(manager: BlockManager, seq_ids: list, pool_blocks: int, device
     R = max(B, 2)  # rows of the block mask: a lone sequence gets a dummy second row (see above)
     tables = [manager.block_table(s) for s in seq_ids]
     lengths = [manager.num_tokens(s) for s in seq_ids]
-    full = torch.zeros(R, 1, 1, pool_blocks, dtype=torch.int32)     # (R, heads, query blocks, N): full blocks first
-    num_full = torch.zeros(R, 1, 1, dtype=torch.int32)              # how many (0 in the dummy row)
-    last = torch.zeros(R, 1, 1, pool_blocks, dtype=torch.int32)     # the last block, where the mask_mod decides
-    num_last = torch.ones(R, 1, 1, dtype=torch.int32)               # one each (the dummy row: slot 0, dropped)
+    kb = next(n for n in (4, 2, 1) if bs % n == 0)  # the kernel's key block: 4 slots or fewer (see above)
+    f = bs // kb                                     # key blocks per pool block
+    full = torch.zeros(R, 1, 1, pool_blocks * f, dtype=torch.int32)  # (R, heads, query blocks, key blocks)
+    num_full = torch.zeros(R, 1, 1, dtype=torch.int32)               # how many (0 in the dummy row)
+    last = torch.zeros(R, 1, 1, pool_blocks * f, dtype=torch.int32)  # the last pool block's, where the mask_mod decides
+    num_last = torch.full((R, 1, 1), f, dtype=torch.int32)           # f each (the dummy row: block 0, slot 0 kept)
     logical = torch.full((R, pool_blocks), 2**40)                   # (R, N): pool block table[j] is block j of row b;
                                                                     # 2**40 (no key) for the blocks of other rows
     for b, table in enumerate(tables):
-        full[b, 0, 0, : len(table) - 1] = torch.tensor(table[:-1], dtype=torch.int32)
-        num_full[b], last[b, 0, 0, 0] = len(table) - 1, table[-1]
+        subs = [block * f + i for block in table for i in range(f)]  # pool block j = key blocks j f .. j f + f - 1
+        full[b, 0, 0, : len(subs) - f] = torch.tensor(subs[:-f], dtype=torch.int32)
+        last[b, 0, 0, :f] = torch.tensor(subs[-f:], dtype=torch.int32)
+        num_full[b] = len(subs) - f
         logical[b, table] = torch.arange(len(table))
     positions = torch.tensor([[L - 1] for L in lengths] + [[0]] * (R - B), device=device)  # (R, 1)
     slots = torch.tensor([[manager.slot(s, L - 1)] for s, L in zip(seq_ids, lengths)], device=device)  # (B, 1)
@@ -126,7 +130,7 @@ def decode_layout(manager: BlockManager, seq_ids: list, pool_blocks: int, device
         return logical[b, kv_idx // block_size] * block_size + kv_idx % block_size <= positions[b, q_idx]
 
     t = lambda x: x.to(device)
-    block_mask = BlockMask.from_kv_blocks(t(num_last), t(last), t(num_full), t(full), BLOCK_SIZE=(1, bs), mask_mod=is_key,
+    block_mask = BlockMask.from_kv_blocks(t(num_last), t(last), t(num_full), t(full), BLOCK_SIZE=(1, kb), mask_mod=is_key,
                                           seq_lengths=(1, pool_blocks * bs), compute_q_blocks=False)
     return DecodeLayout(slots, positions[:B], block_mask, max(lengths) - 1)
 
