@@ -30,7 +30,7 @@ from minillm.generate import stream
 from minillm.gguf_file import read_gguf
 from minillm.lora import MultiLoRA, read_adapter
 from minillm.sampling import SamplingParams
-from minillm.server import serve
+from minillm.server import PREFILL_CHUNK, serve
 from minillm.server_ops import read_keys
 from minillm.speculative import SpeculationStats
 from minillm.speculative import stream as speculative_stream
@@ -248,7 +248,7 @@ def cmd_serve(args) -> int:
     serve(llm, host=args.host, port=args.port, access_log=None if args.access_log == "off" else args.access_log,
           model_name=name, num_blocks=args.num_blocks, max_in_flight=args.max_in_flight, api_keys=keys,
           max_concurrent_per_key=args.max_concurrent_per_key, tokens_per_minute=args.tokens_per_minute,
-          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace)
+          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, prefill_chunk=args.prefill_chunk or None)
     return 0
 
 
@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model id clients send (default: from --model)")
     serve.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks of 16 tokens (default: 256)")
     serve.add_argument("--max-in-flight", type=int, default=128, help="requests at once; more get 429 (default: 128)")
+    serve.add_argument("--prefill-chunk", type=int, metavar="N", default=PREFILL_CHUNK,
+                       help="prompt tokens computed per engine step, so that a long prompt does not stall the "
+                            f"answers being written (chunked prefill, notebook 12; 0: no limit; default: {PREFILL_CHUNK})")
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="require `Authorization: Bearer KEY` on /v1/* (repeatable; also --api-key-file and "
                             "the MINILLM_API_KEY variable; without any key the server is open)")

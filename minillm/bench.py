@@ -93,7 +93,7 @@ from minillm.api import load_tokenizer
 from minillm.bench_engine import engine_rows
 from minillm.bench_lora import lora_rows
 from minillm.bench_paged import paged_rows
-from minillm.bench_serve import serve_rows
+from minillm.bench_serve import add_serve_flags, serve_rows
 from minillm.bench_speculative import speculative_rows
 from minillm.devices import peak_memory_mib
 from minillm.embedded import embedded_gguf_path
@@ -395,12 +395,7 @@ def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
         help="engine: concurrent requests (default 16 64)")
     add("--repeats", type=positive("--repeats"), default=d(2), help="best of this many runs (default 2)")
     add("--group-size", type=positive("--group-size"), default=d(32), help="int4 group size (default 32)")
-    add("--rate", type=positive("--rate", float), default=d(2.0), help="serve: Poisson arrivals per second (default 2)")
-    add("--serve-requests", type=positive("--serve-requests"), default=d(48), help="serve: requests (default 48)")
-    add("--slo-ttft", type=positive("--slo-ttft", float), default=d(2.0),
-        help="serve: goodput's limit on the time to first token, seconds (default 2)")
-    add("--slo-tpot", type=positive("--slo-tpot", float), default=d(0.25),
-        help="serve: goodput's limit on the mean time per later token, seconds (default 0.25)")
+    add_serve_flags(add, d, positive)
 
 
 def variant_name(text: str) -> str:

@@ -19,19 +19,33 @@ Reported per side: output tokens/s over the whole run (first arrival to last tok
 first token (arrival to first token) and inter-token latency (between consecutive tokens of a
 request) at p50/p90/p99, and goodput: requests per second that met both latency limits
 (--slo-ttft seconds to the first token, --slo-tpot seconds per later token, on average).
+
+The Poisson workload also goes through minillm's OpenAI server (notebook 14) over HTTP: uvicorn
+in a thread of this process, one client thread per request, /v1/completions streamed with the
+prompt as token ids and `ignore_eos`; a token counts as delivered when its chunk arrives
+(variant "http vs in-process": the other column holds the in-process run). Then chunked prefill
+(notebook 12): a workload of long prompts (16-1024 tokens, Poisson at a
+quarter of --rate) on minillm's engine with --prefill-chunk prompt tokens per step, against the
+same engine prefilling each prompt whole; the row's "transformers" column holds the whole-prefill
+run (variant "chunked vs whole prefill").
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import math
 import random
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from minillm.api import LLM
 from minillm.bench_engine import transformers_padded_batch
 from minillm.engine import Engine
 from minillm.fast import FastCausalLM
+from minillm.server import BackgroundServer, create_app
 
 SYSTEM_TOKENS, SHARED_SHARE = 64, 0.5  # two shared system prompts of 64 tokens, on half of the requests
 PERCENTILES = (50, 90, 99)
@@ -84,10 +98,11 @@ def _wait_until(t0: float, at: float) -> None:
     time.sleep(max(0.0, t0 + at - time.perf_counter()))
 
 
-def minillm_serving(model, tokenizer, workload: list[Arrival]) -> list[list[float]]:
+def minillm_serving(model, tokenizer, workload: list[Arrival], prefill_chunk: int | None = None) -> list[list[float]]:
     """Each request's token times on minillm's engine, requests added as they arrive."""
     blocks = sum(-(-(len(w.prompt) + w.max_new_tokens) // 16) for w in workload)  # room for all at once
-    engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(workload))
+    engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(workload),
+                    prefill_chunk=prefill_chunk)
     engine.add_request(workload[0].prompt[:8], None, 2, eos_token_ids=())  # warm-up, before the clock starts
     while engine.has_unfinished():
         engine.step()
@@ -103,6 +118,47 @@ def minillm_serving(model, tokenizer, workload: list[Arrival]) -> list[list[floa
             if out.token_id is not None:
                 times[index[out.request_id]].append(time.perf_counter() - t0)
     return [times[j] for j in range(len(workload))]
+
+
+def _stream_completion(url: str, arrival: Arrival, t0: float, times: list[float]) -> None:
+    """POST one streamed /v1/completions when it is due; append the time of each token as it arrives."""
+    _wait_until(t0, arrival.at)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    body = {"prompt": arrival.prompt, "max_tokens": arrival.max_new_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response, made = conn.getresponse(), None
+    assert response.status == 200, response.read()
+    for line in response:  # server-sent events: b"data: {...}\n"
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                times.append(time.perf_counter() - t0)
+            made = chunk["usage"]["completion_tokens"] if chunk.get("usage") else made
+    conn.close()
+    # a token that ends inside a UTF-8 character has no text of its own: it arrives with the next one
+    times += times[-1:] * (made - len(times))
+
+
+def http_serving(model, tokenizer, workload: list[Arrival]) -> list[list[float]]:
+    """Each request's token times through minillm's OpenAI server (notebook 14) over HTTP, uvicorn in
+    a thread of this process: one client thread per request, streamed, the prompt as token ids."""
+    blocks = sum(-(-(len(w.prompt) + w.max_new_tokens) // 16) for w in workload)
+    app = create_app(LLM(model, tokenizer), num_blocks=blocks + 8, max_num_seqs=len(workload), prefill_chunk=None)
+    server = BackgroundServer(app)  # prefills as the in-process engine does: only HTTP differs
+    try:
+        _stream_completion(server.url, Arrival(0.0, workload[0].prompt[:8], 2), time.perf_counter(), [])  # warm-up
+        times, t0 = [[] for _ in workload], time.perf_counter()
+        clients = [threading.Thread(target=_stream_completion, args=(server.url, w, t0, t), daemon=True)
+                   for w, t in zip(workload, times)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+    finally:
+        server.stop()
+    return times
 
 
 def transformers_continuous(hf, workload: list[Arrival]) -> list[list[float]]:
@@ -172,9 +228,38 @@ def counted(workload: list[Arrival], times: list[list[float]]) -> list[list[floa
     return times
 
 
+def add_serve_flags(add, d, positive) -> None:
+    """The serve section's flags, for bench.add_common (d: the default, or argparse.SUPPRESS; positive: a type)."""
+    add("--rate", type=positive("--rate", float), default=d(2.0), help="serve: Poisson arrivals per second (default 2)")
+    add("--serve-requests", type=positive("--serve-requests"), default=d(48), help="serve: requests (default 48)")
+    add("--slo-ttft", type=positive("--slo-ttft", float), default=d(2.0),
+        help="serve: goodput's limit on the time to first token, seconds (default 2)")
+    add("--slo-tpot", type=positive("--slo-tpot", float), default=d(0.25),
+        help="serve: goodput's limit on the mean time per later token, seconds (default 0.25)")
+    add("--prefill-chunk", type=positive("--prefill-chunk"), default=d(512),
+        help="serve: the engine's prompt tokens per step on the long-prompt workload (default 512)")
+
+
+def metric_rows(row, variant: str, label: str, ours: dict, theirs: dict, n: int) -> None:
+    """One row per metric: `ours` in the minillm column, `theirs` in the other."""
+    for key, unit, scale in METRICS:
+        row("serve", variant, f"{label} {key.replace('_', ' ')}", unit, ours[key] * scale, theirs[key] * scale, n=n)
+
+
+def chunked_rows(model, tokenizer, args, row, source: list[int], n: int) -> None:
+    """Long prompts (16-1024 tokens, Poisson at a quarter of --rate): minillm's engine with
+    --prefill-chunk against itself prefilling every prompt whole, on every metric."""
+    ranges = {"prompt_range": (8, 96), "new_range": (4, 16)} if args.quick else {"prompt_range": (16, 1024)}
+    workload = serving_workload(source, n, args.rate / 4, seed=n, **ranges)
+    whole, chunked = (serving_metrics(workload, counted(workload, minillm_serving(model, tokenizer, workload, chunk)),
+                                      args.slo_ttft, args.slo_tpot) for chunk in (None, args.prefill_chunk))
+    metric_rows(row, "chunked vs whole prefill", "long prompts", chunked, whole, n)
+
+
 def serve_rows(sides, args, row, source: list[int]) -> None:
     """Rows of the serve section: a Poisson workload at --rate and a burst, minillm's fast engine
-    against each of transformers' two ways on every metric. source: the ids prompts are cut from."""
+    against each of transformers' two ways on every metric; the Poisson one over HTTP too; then
+    chunked prefill on long prompts. source: the ids prompts are cut from."""
     n = 8 if args.quick else args.serve_requests
     ranges = {"prompt_range": (8, 48), "new_range": (4, 16)} if args.quick else {}
     model = FastCausalLM(sides.model).eval()
@@ -185,6 +270,9 @@ def serve_rows(sides, args, row, source: list[int]) -> None:
         for peer, serve in SIDES.items():
             theirs = serving_metrics(workload, counted(workload, serve(sides.hf, workload)), args.slo_ttft,
                                      args.slo_tpot)
-            for key, unit, scale in METRICS:
-                row("serve", peer, f"{label} {key.replace('_', ' ')}", unit, ours[key] * scale, theirs[key] * scale,
-                    n=n)
+            metric_rows(row, peer, label, ours, theirs, n)
+        if rate is not None:  # the same requests through the OpenAI server, over HTTP
+            http = serving_metrics(workload, counted(workload, http_serving(model, sides.tokenizer, workload)),
+                                   args.slo_ttft, args.slo_tpot)
+            metric_rows(row, "http vs in-process", label, http, ours, n)
+    chunked_rows(model, sides.tokenizer, args, row, source, n)

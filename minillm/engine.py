@@ -1,16 +1,18 @@
 # Generated from notebooks/12_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""Continuous batching: Sequence -> admit, make_room -> Scheduler -> EngineCore.step -> Engine.
+"""Continuous batching: admit, make_room -> Scheduler -> EngineCore.step -> Engine.
 
-Built in notebooks/12_engine.ipynb on the paged KV cache (notebook 11). Each step admits waiting
-sequences while KV blocks allow, prefills them, runs one batched decode forward for all running
-sequences, samples each with its own parameters, streams text, finishes sequences on their stop
-conditions and frees their blocks. Out of blocks: the newest running sequence is preempted
-(blocks freed, requeued, recomputed later). A request for n choices is prefilled once; its n
-sequences then share the prompt's blocks (BlockManager.fork, copy-on-write), and choice i samples
-with seed + i. A decode step over many cached tokens reads the blocks where they lie (notebook
-11's FlexAttention path) wherever it runs; prefills and shorter decode steps gather them. In the
-manner of nano-vllm, without its global context.
+Built in notebooks/12_engine.ipynb on the paged KV cache (notebook 11), for the requests of
+minillm/sequence.py. Each step admits waiting sequences while KV blocks allow, prefills them (a
+long prompt in chunks of a per-step token budget, so that it does not stall the others), runs
+one batched decode forward for all running sequences, samples each with its own parameters,
+streams text, finishes sequences on their stop conditions and frees their blocks. Out of blocks:
+the newest running sequence is preempted (blocks freed, requeued, recomputed later). A request
+for n choices is prefilled once; its n sequences then share the prompt's blocks
+(BlockManager.fork, copy-on-write), and choice i samples with seed + i. A decode step over many
+cached tokens reads the blocks where they lie (notebook 11's FlexAttention path) wherever it
+runs; prefills and shorter decode steps gather them. In the manner of nano-vllm, without its
+global context.
 
 Shape legend: B batch (running sequences), T new tokens, V vocab.
 """
@@ -18,79 +20,23 @@ Shape legend: B batch (running sequences), T new tokens, V vocab.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from minillm.constrained import Constraints, apply_constraints
-from minillm.generate import TextStream, check_prompt
 from minillm.lora import adapter_index
 from minillm.model import CausalLM
 from minillm.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, check_attention, decode_layout,
                                      use_paged_attention)
-from minillm.paged_cache import BlockManager, PagedView, batch_layout, make_paged_cache
+from minillm.paged_cache import BlockManager, PagedView, batch_layout, cache_computed, make_paged_cache
 from minillm.sampling import SamplingParams, make_generator, sample
+from minillm.sequence import (FINISHED, PREFILLING, RUNNING, WAITING, Output, Sequence, check_chunk,
+                              check_request, never_fits)
 from minillm.tokenizer import Tokenizer
-
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-@dataclass
-class Sequence:
-    """One request: prompt and output ids, sampling parameters, stop rules and streaming state."""
-
-    id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    text: TextStream  # the text and finish rule, shared with generate.stream
-    generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
-    status: str = WAITING
-    pending: int | None = None  # sampled, KV not yet computed
-    finish_reason: str | None = None
-    error: str | None = None
-    num_cached: int = 0  # leading tokens whose KV the prefix cache already held at admission
-    forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for this one's prefill
-    constraint: object | None = None  # structured outputs (notebook 18): masks its logits, reads its tokens
-    lora: int = 0  # its LoRA adapter's index in the model (notebook 19), 0: none
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-
-@dataclass
-class Output:
-    """What one step produced for one request: new text (may be ''), the token, its logprob
-    (and the top-n when params.logprobs asks), and the end."""
-
-    request_id: int
-    token_id: int | None
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-def check_request(tokenizer: Tokenizer, context: int, vocab_size: int, prompt_ids: Seq[int],
-                  params: SamplingParams | None = None, max_new_tokens: int = 256, stop: Seq[str] = (),
-                  eos_token_ids: Seq[int] | None = None) -> tuple[list[int], SamplingParams, TextStream]:
-    """A request's checked prompt, its parameters (default greedy) and its TextStream; ValueError if bad."""
-    prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, vocab_size)
-    params = params or SamplingParams(temperature=0)
-    eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
-    return prompt_ids, params, TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
-
-
-def never_fits(manager: BlockManager, seq: Sequence, max_model_len: int) -> str:
-    """Why a request can never run: its tokens need more KV blocks than the whole pool."""
-    blocks = manager.blocks_needed(len(seq.token_ids) + 1)
-    return (f"request of {len(seq.token_ids)} tokens needs {blocks} KV blocks "
-            f"(context {max_model_len}); the pool has {manager.num_blocks}")
 
 
 def admit(manager: BlockManager, waiting: deque[Sequence], running: list[Sequence], max_num_seqs: int,
@@ -149,11 +95,41 @@ def make_room(manager: BlockManager, running: list[Sequence], waiting: deque[Seq
     return decoding, preempted
 
 
-class Scheduler:
-    """Who runs this step: admits waiting sequences while blocks allow; preempts the newest on shortage."""
+def start_prefill(manager: BlockManager, admitted: list[Sequence]) -> None:
+    """Admitted sequences prefill from their cached prefix; their blocks past it are not findable yet."""
+    for seq in admitted:
+        seq.status, seq.num_computed = PREFILLING, seq.num_cached
+        cache_computed(manager, seq.id, seq.num_computed)
 
-    def __init__(self, manager: BlockManager, max_num_seqs: int, max_model_len: int):
+
+def prefill_chunks(prefilling: list[Sequence], budget: float) -> list[tuple[Sequence, int]]:
+    """(sequence, prompt tokens to compute this step), oldest first, within `budget` tokens in all."""
+    chunks = []
+    for seq in prefilling:
+        n = min(len(seq.token_ids) - seq.num_computed, budget)
+        if n == 0:
+            break
+        chunks.append((seq, n))
+        budget -= n
+    return chunks
+
+
+def advance_prefill(manager: BlockManager, seq: Sequence, n: int) -> bool:
+    """A forward computed n more prompt tokens of seq. True when that was the last: it runs now."""
+    seq.num_computed += n
+    cache_computed(manager, seq.id, seq.num_computed)  # the blocks it filled become findable
+    if seq.num_computed == len(seq.token_ids):
+        seq.status = RUNNING
+    return seq.status == RUNNING
+
+
+class Scheduler:
+    """Who runs this step: admits waiting sequences while blocks allow; preempts the newest on shortage;
+    gives each prefilling sequence its chunk of prompt, oldest first, within `prefill_chunk` tokens a step."""
+
+    def __init__(self, manager: BlockManager, max_num_seqs: int, max_model_len: int, prefill_chunk: int | None = None):
         self.manager, self.max_num_seqs, self.max_model_len = manager, max_num_seqs, max_model_len
+        self.prefill_chunk = prefill_chunk  # prompt tokens computed per step, all prompts together; None: no limit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -162,7 +138,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        if seq.status == RUNNING:
+        if seq.status in (PREFILLING, RUNNING):
             self.manager.free(seq.id)
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -178,12 +154,18 @@ class Scheduler:
         preempt_seq(self.manager, self.running, self.waiting, seq)
         self.num_preemptions += 1
 
-    def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-        """Returns (admitted: to prefill, decoding: to run one decode step, rejected: can never fit)."""
+    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence], list[Sequence]]:
+        """Returns (prefills: (sequence, prompt tokens to compute now), decoding: to run one decode step,
+        rejected: can never fit)."""
         decoding, preempted = make_room(self.manager, self.running, self.waiting)  # the running first
         self.num_preemptions += preempted
-        admitted, rejected = admit(self.manager, self.waiting, self.running, self.max_num_seqs, self.max_model_len)
-        return admitted, decoding, rejected
+        budget = self.prefill_chunk or math.inf
+        prefilling = [seq for seq in self.running if seq.status == PREFILLING]  # admitted in an earlier step
+        admitted, rejected = [], []
+        if sum(len(seq.token_ids) - seq.num_computed for seq in prefilling) < budget:  # room for more prompts
+            admitted, rejected = admit(self.manager, self.waiting, self.running, self.max_num_seqs, self.max_model_len)
+        start_prefill(self.manager, admitted)
+        return prefill_chunks(prefilling + admitted, budget), decoding, rejected
 
 
 def paged_step(attention: str, model: CausalLM, manager: BlockManager, seq_ids: list, T: int) -> bool:
@@ -197,19 +179,22 @@ def paged_step(attention: str, model: CausalLM, manager: BlockManager, seq_ids: 
     return use_paged_attention(attention, model.config, param.dtype, param.device)
 
 
-def forward_batch(model: CausalLM, cache: list, manager: BlockManager, seqs: list[Sequence],
-                  new_ids: list[list[int]], sink_slot: int, attention: str = "gather") -> torch.Tensor:
+def forward_batch(model: CausalLM, cache: list, manager: BlockManager, seqs: list[Sequence], new_ids: list[list[int]],
+                  sink_slot: int, attention: str = "gather", lengths: list[int] | None = None) -> torch.Tensor:
     """Next-token logits (B, V): one forward computing each sequence's new tokens (left-padded to T).
 
-    attention: how a decode step reads the cache ("auto", "paged" or "gather": `paged_step`)."""
+    attention: how a decode step reads the cache ("auto", "paged" or "gather": `paged_step`).
+    lengths: where each row's new tokens end, for a prefill (a chunk may end inside the prompt);
+    None: at each sequence's last token, a decode step, which may read the blocks in place."""
     device, seq_ids, T = next(model.parameters()).device, [s.id for s in seqs], max(map(len, new_ids))
     ids = torch.tensor([[0] * (T - len(n)) + n for n in new_ids], device=device)  # (B, T)
-    if paged_step(attention, model, manager, seq_ids, T):
+    if lengths is None and paged_step(attention, model, manager, seq_ids, T):
         layout, mask = decode_layout(manager, seq_ids, cache[0].k.shape[0], device), None
         views = [BlockTableView(c, layout) for c in cache]
     else:
-        layout = batch_layout(manager, seq_ids, [len(n) for n in new_ids], sink_slot, device)
-        alike = len({(manager.num_tokens(s.id), len(n)) for s, n in zip(seqs, new_ids)}) == 1  # no row padded
+        lengths = lengths or [manager.num_tokens(i) for i in seq_ids]
+        layout = batch_layout(manager, seq_ids, [len(n) for n in new_ids], sink_slot, device, lengths)
+        alike = len({(L, len(n)) for L, n in zip(lengths, new_ids)}) == 1  # no row padded
         views, mask = [PagedView(c, layout) for c in cache], None if alike else layout.attention_mask
     loras = {"adapter_ids": torch.tensor([s.lora for s in seqs], device=device)} if any(s.lora for s in seqs) else {}
     logits = model(ids, positions=layout.positions, attention_mask=mask, cache=views, start_pos=layout.start_pos,
@@ -225,20 +210,30 @@ def copy_blocks(cache: list, manager: BlockManager) -> None:
             layer.copy_blocks(pairs)
 
 
-def prefill_groups(admitted: list[Sequence], max_prefill_tokens: int, max_model_len: int) -> list[list[Sequence]]:
-    """Batches of similar length: longest first; a new batch when padding would pass a fifth of it,
-    or max_prefill_tokens padded tokens, or the context."""
+def prefill_groups(prefills: list[tuple[Sequence, int]], max_prefill_tokens: int,
+                   max_model_len: int) -> list[list[tuple[Sequence, int]]]:
+    """Batches of (sequence, new tokens) of similar length: most new tokens first; a new batch when
+    padding would pass a fifth of it, or max_prefill_tokens padded tokens, or the context."""
     groups, group, cached, new, real = [], [], 0, 0, 0
-    for seq in sorted(admitted, key=lambda s: len(s.token_ids) - s.num_cached, reverse=True):
-        c, n = seq.num_cached, len(seq.token_ids) - seq.num_cached
+    for seq, n in sorted(prefills, key=lambda p: p[1], reverse=True):
+        c = seq.num_computed  # keys already in the cache: from the prefix cache or earlier chunks
         C, T = max(cached, c), max(new, n)
         padded = (len(group) + 1) * (C + T)
         if group and (padded > max_prefill_tokens or real + c + n < 0.8 * padded or C + T > max_model_len):
             groups.append(group)
             group, C, T, real = [], c, n, 0
-        group.append(seq)
+        group.append((seq, n))
         cached, new, real = C, T, real + c + n
     return groups + [group] if group else groups
+
+
+def step_batches(prefills: list[tuple[Sequence, int]], decoding: list[Sequence], max_prefill_tokens: int,
+                 max_model_len: int) -> list[tuple[list[Sequence], list[list[int]], list[int] | None]]:
+    """A step's forwards, (sequences, new ids, where they end): each prefill group's chunks of prompt,
+    then the decode batch (each pending token, at its sequence's end: None)."""
+    batches = [([s for s, _ in g], [s.token_ids[s.num_computed : s.num_computed + n] for s, n in g],
+                [s.num_computed + n for s, n in g]) for g in prefill_groups(prefills, max_prefill_tokens, max_model_len)]
+    return batches + [(decoding, [[s.pending] for s in decoding], None)] if decoding else batches
 
 
 def advance(seq: Sequence, token: int) -> Output:
@@ -328,14 +323,14 @@ class EngineCore:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, num_blocks: int = 512, block_size: int = 16,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, max_prefill_tokens: int = 4096,
-                 attention: str = "auto"):
+                 attention: str = "auto", prefill_chunk: int | None = None):
         self.model, self.tokenizer, self.device = model, tokenizer, (param := next(model.parameters())).device
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
         self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
         self.attention = check_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 11
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
-        self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings)
+        self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings, check_chunk(prefill_chunk))
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
         self.finish_reasons: Counter[str] = Counter()  # how requests ended: stop, length, abort, error
         self._ids, self.constraints = itertools.count(), Constraints(tokenizer, model.config.vocab_size)  # nb 18
@@ -351,16 +346,16 @@ class EngineCore:
     @torch.no_grad()
     def step(self) -> list[Output]:
         """One round: schedule, prefill the admitted, one decode forward for the running, sample, finish."""
-        admitted, decoding, rejected = self.scheduler.schedule()
+        prefills, decoding, rejected = self.scheduler.schedule()
         for seq in rejected:
             self._finish(seq, "error", never_fits(self.manager, seq, self.scheduler.max_model_len))
         outputs = [Output(seq.id, None, "", True, "error", seq.error) for seq in rejected]
         copy_blocks(self.cache, self.manager)
-        groups = prefill_groups(admitted, self.max_prefill_tokens, self.scheduler.max_model_len)
-        batches = [(g, [seq.token_ids[seq.num_cached:] for seq in g]) for g in groups]  # what the cache lacks
-        batches += [(decoding, [[seq.pending] for seq in decoding])] if decoding else []  # one token each
-        for seqs, new_ids in batches:
-            logits = forward_batch(self.model, self.cache, self.manager, seqs, new_ids, self.sink_slot, self.attention)
+        for seqs, new_ids, lengths in step_batches(prefills, decoding, self.max_prefill_tokens, self.scheduler.max_model_len):
+            logits = forward_batch(self.model, self.cache, self.manager, seqs, new_ids, self.sink_slot, self.attention, lengths)
+            if lengths is not None:  # a prefill: only the rows whose prompt is now complete sample
+                done = [b for b, (s, n) in enumerate(zip(seqs, map(len, new_ids))) if advance_prefill(self.manager, s, n)]
+                seqs, logits = [seqs[b] for b in done], logits[done]
             seqs, logits = fork_choices(self.manager, self.scheduler.running, seqs, logits)  # n > 1: choices join
             for out in sample_batch(seqs, logits):
                 if out.finished:

@@ -224,14 +224,16 @@ def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
 
 
 def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
-    """The prompt ids: the chat template over `messages`, or the text of `prompt`."""
+    """The prompt ids: the chat template over `messages`, or the text (or token ids) of `prompt`."""
     if chat:
         tools, choice = offered_tools(body, chat)
         return chat_prompt(llm, body.get("messages"), tools if choice != "none" else [])
     prompt = body.get("prompt")
-    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) else prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt  # token ids, as OpenAI's API allows: parse_request checks them against the vocabulary
     if not isinstance(prompt, str) or not prompt:
-        raise APIError(400, "prompt must be a non-empty string", "prompt")
+        raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
     return llm.tokenizer.encode(_text(prompt, "prompt", "prompt"))
 
 
@@ -337,4 +339,5 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": stream, "n": n,
             "best_of": best_of, "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs,
             "tools": bool(tools) and choice != "none", "model": model,
-            "options": {"response_format": fmt, "adapter": adapter}}  # the engine's: Engine.make_request
+            "options": {"response_format": fmt, "adapter": adapter,  # the engine's: Engine.make_request
+                        **({"eos_token_ids": ()} if _flag(body, "ignore_eos") else {})}}

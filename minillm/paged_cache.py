@@ -28,75 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-
-def _check_pool(num_blocks: int, block_size: int) -> None:
-    if num_blocks < 1 or block_size < 1:
-        raise ValueError(f"BlockManager: num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
-
-
-def _check_known(manager, seq_id) -> None:
-    if seq_id not in manager.tables:
-        raise ValueError(f"unknown seq_id {seq_id!r}: allocate it first (known: {list(manager.tables)})")
-
-
-def _check_allocate(manager, seq_id, token_ids: list[int], need: int) -> None:
-    if seq_id in manager.tables:
-        raise ValueError(f"allocate: seq_id {seq_id!r} already has blocks")
-    if len(token_ids) == 0:
-        raise ValueError("allocate: token_ids is empty, a prompt needs at least one token")
-    if need > manager.num_free_blocks:
-        raise ValueError(f"allocate: seq_id {seq_id!r} needs {need} free blocks, only {manager.num_free_blocks} are free")
-
-
-def _check_fork(manager, seq_id, new_seq_id) -> None:
-    _check_known(manager, seq_id)
-    if new_seq_id in manager.tables:
-        raise ValueError(f"fork: seq_id {new_seq_id!r} already has blocks")
-
-
-def _check_append(manager, seq_id) -> None:
-    if not manager.can_append(seq_id):  # can_append checks that seq_id is known
-        raise ValueError(f"append: seq_id {seq_id!r} needs 1 free block, 0 are free")
-
-
-def _check_position(n: int, seq_id, position: int) -> None:
-    if not 0 <= position < n:
-        raise ValueError(f"slot: position must be in [0, {n}) for seq_id {seq_id!r}, got {position}")
-
-
-def _check_pool_shape(shape: tuple[int, ...]) -> None:
-    if min(shape) < 1:
-        raise ValueError(f"PagedKVCache: every size must be >= 1, got (N, bs, Hkv, D) = {shape}")
-
-
-def _check_gather(num_blocks: int, bs: int, length: int) -> None:
-    if not 0 < length <= num_blocks * bs:
-        raise ValueError(f"gather_reference: length must be in [1, {num_blocks * bs}] "
-                         f"for {num_blocks} blocks of {bs}, got {length}")
-
-
-def _check_layout(seq_ids: list, new_tokens, new: list[int], lengths: list[int], sink_slot: int | None) -> None:
-    if not seq_ids or len(new) != len(seq_ids) or not all(1 <= n <= L for n, L in zip(new, lengths)):
-        raise ValueError(f"batch_layout: need 1 <= new tokens <= length for each sequence, "
-                         f"got new_tokens {new_tokens}, lengths {lengths}")
-    if len(set(new)) > 1 and sink_slot is None:
-        raise ValueError(f"batch_layout: rows with different new-token counts {new} need a sink_slot "
-                         "for their padding queries")
-
-
-def _check_update(layout, pool_shape, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    (B, T), (Hkv, D) = layout.slots.shape, pool_shape[2:]  # the pool is (N, block_size, Hkv, D)
-    if pos != layout.start_pos or k.shape != (B, Hkv, T, D) or v.shape != k.shape:
-        raise ValueError(f"PagedView.update: expected pos {layout.start_pos} and k, v (B, Hkv, T, D) = "
-                         f"{(B, Hkv, T, D)}, got pos {pos}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-
-
-def _check_forward(model, cache: list, seq_ids: list, input_ids: torch.Tensor) -> None:
-    if len(cache) != model.config.num_hidden_layers:
-        raise ValueError(f"paged_forward: cache has {len(cache)} layers, the model {model.config.num_hidden_layers}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != len(seq_ids):
-        raise ValueError(f"paged_forward: input_ids must be (B, T) with B = len(seq_ids) = {len(seq_ids)}, "
-                         f"got {tuple(input_ids.shape)}")
+from minillm.paged_checks import (_check_allocate, _check_append, _check_fork, _check_forward, _check_gather,
+                                  _check_known, _check_layout, _check_pool, _check_pool_shape, _check_position,
+                                  _check_update)
 
 
 class BlockPool:
@@ -222,12 +156,15 @@ class PrefixCache(BlockAllocator):
         if self.enable_prefix_caching:
             self.cached.setdefault(self.block_hash[block], block)
 
-    def _take_free(self) -> int:  # as in stage 1, and the block forgets the prefix it held
-        block = super()._take_free()
+    def _forget(self, block: int) -> None:  # the block no longer names a prefix: nobody finds it
         h = self.block_hash[block]
         if h is not None and self.cached.get(h) == block:
             del self.cached[h]
         self.block_hash[block] = self.block_tokens[block] = None
+
+    def _take_free(self) -> int:  # as in stage 1, and the block forgets the prefix it held
+        block = super()._take_free()
+        self._forget(block)
         return block
 
     def _fill(self, table: list[int], token_ids: list[int], salt=None) -> list[int]:  # as in stage 1, registering full blocks
@@ -293,7 +230,7 @@ class BlockManager(PrefixCachingAllocator):
     """Stage 3, what the engine uses: copy-on-write, a shared block that must change is copied first.
 
     A prompt's full blocks are findable once `allocate` returns: its prefill must run before, or in
-    the same batch as, the forward of a later sequence that reuses them.
+    the same batch as, the forward of a later sequence that reuses them (or see `cache_computed`).
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
@@ -337,6 +274,20 @@ class BlockManager(PrefixCachingAllocator):
         """Pending (src, dst) block copies; apply them to every layer before the next forward."""
         copies, self.copies = self.copies, []
         return copies
+
+
+def cache_computed(manager: BlockManager, seq_id, num_computed: int) -> None:
+    """Only the sequence's full blocks within its first num_computed tokens (whose keys and values
+    exist) are findable: those are registered, the blocks past them forget their prefix."""
+    _check_known(manager, seq_id)
+    table, tokens, bs = manager.tables[seq_id], manager.tokens[seq_id], manager.block_size
+    parent = manager.salts.get(seq_id)  # the salt heads the chain
+    for i, block in enumerate(table):
+        if (i + 1) * bs > min(num_computed, len(tokens)):
+            manager._forget(block)  # not computed yet, or not full: only this sequence holds it
+        elif manager.block_hash[block] is None:
+            manager._register(block, parent, tokens[i * bs : (i + 1) * bs])
+        parent = manager.block_hash[block]
 
 
 class PagedKVCache:
@@ -389,15 +340,18 @@ class BatchLayout:
 
 
 def batch_layout(manager: BlockManager, seq_ids: list, new_tokens: int | list[int], sink_slot: int | None = None,
-                 device: str | torch.device | None = None) -> BatchLayout:
+                 device: str | torch.device | None = None, lengths: list[int] | None = None) -> BatchLayout:
     """Layout of a batch where row b computes its last new_tokens[b] accounted tokens (an int: the same for all).
+
+    lengths: where each row's new tokens end (default: all its accounted tokens; a prompt
+    prefilled in chunks, notebook 12, stops earlier).
 
     Keys: S = C + T columns, C = max cached count, T = max new count. Row b's cached keys are
     right-aligned in the first C columns and its new tokens in the last T; the gaps are padding,
     masked as keys. A row with fewer new tokens than T (a batched prefill, notebook 12) has
     padding queries, whose keys/values go to `sink_slot`.
     """
-    lengths = [manager.num_tokens(s) for s in seq_ids]
+    lengths = list(lengths) if lengths is not None else [manager.num_tokens(s) for s in seq_ids]
     new = [new_tokens] * len(seq_ids) if isinstance(new_tokens, int) else list(new_tokens)
     _check_layout(seq_ids, new_tokens, new, lengths, sink_slot)
     cached = [L - n for L, n in zip(lengths, new)]

@@ -126,11 +126,11 @@ class AsyncEngine(EngineThread):
     closed = False  # set by end_all: the server is shutting down, add refuses (503)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stop: list[str],
-            n: int = 1, **options) -> tuple[list[int], asyncio.Queue]:  # options: response_format, adapter
+            n: int = 1, **options) -> tuple[list[int], asyncio.Queue]:  # make_request's: response_format...
         """Queue a request for n choices (call from the event loop): their ids, the queue of their Outputs."""
         if self.closed:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
-        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, None, n, **options)  # bad: ValueError
+        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, n=n, **options)  # bad: ValueError
         rids = [seq.id] + [fork.id for fork in seq.forks]
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -348,13 +348,17 @@ def health_report(engine: AsyncEngine, gate: Gate) -> dict:
             "in_flight": gate.in_flight.count}
 
 
+PREFILL_CHUNK = 512  # prompt tokens per engine step (notebook 12's chunked prefill)
+
+
 def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, block_size: int = 16,
                max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20,
                api_keys: Iterable[str] = (), max_concurrent_per_key: int | None = None,
                tokens_per_minute: int | None = None, request_timeout: float | None = None,
-               shutdown_grace: float = 20.0) -> FastAPI:
-    """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine."""
-    engine = AsyncEngine(Engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs))
+               shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK) -> FastAPI:
+    """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine
+    (prefill_chunk: its prompt tokens per step; None: every prompt whole)."""
+    engine = AsyncEngine(Engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
     engine.request_timeout = check_seconds("request_timeout", request_timeout, none_ok=True)
     grace = check_seconds("shutdown_grace", shutdown_grace)
     context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)

@@ -13,7 +13,7 @@ from minillm import bench, bench_serve, roofline
 from minillm.bench_speculative import TASKS
 
 QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1",
-         "--rate", "20"]
+         "--rate", "20", "--prefill-chunk", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -127,19 +127,24 @@ def test_speculative_section(result):
 
 
 def test_serve_section(result):
-    """Both workloads against both peers, every metric; goodput never above throughput's request rate."""
+    """Both workloads against both peers, Poisson over HTTP against in-process, and long prompts
+    chunked against whole, every metric."""
     serve = rows(result, section="serve")
-    assert {r["variant"] for r in serve} == {"vs continuous batch", "vs padded generate"}
+    assert {r["variant"] for r in serve} == {"vs continuous batch", "vs padded generate", "http vs in-process",
+                                             "chunked vs whole prefill"}
     metrics = [name for name, _, _ in bench_serve.METRICS]
-    for variant in ("vs continuous batch", "vs padded generate"):
-        for workload in ("poisson 20/s", "burst"):
-            got = {r["metric"].removeprefix(workload + " "): r for r in serve if r["variant"] == variant
-                   and r["metric"].startswith(workload)}
-            assert set(got) == {m.replace("_", " ") for m in metrics}
-            assert all(r["n"] == 8 and r["minillm"] > 0 and r["transformers"] > 0 for r in got.values())
-            assert got["ttft p50"]["minillm"] <= got["ttft p90"]["minillm"] <= got["ttft p99"]["minillm"]
-            assert got["itl p50"]["transformers"] <= got["itl p90"]["transformers"] <= got["itl p99"]["transformers"]
-    assert "serve" in bench.parse_args(["serve"]).what and bench.parse_args(["serve"]).rate == 2.0
+    groups = [(peer, workload) for peer in ("vs continuous batch", "vs padded generate")
+              for workload in ("poisson 20/s", "burst")] + [("http vs in-process", "poisson 20/s"),
+                                                            ("chunked vs whole prefill", "long prompts")]
+    for variant, workload in groups:
+        got = {r["metric"].removeprefix(workload + " "): r for r in serve if r["variant"] == variant
+               and r["metric"].startswith(workload)}
+        assert set(got) == {m.replace("_", " ") for m in metrics}
+        assert all(r["n"] == 8 and r["minillm"] > 0 and r["transformers"] > 0 for r in got.values())
+        assert got["ttft p50"]["minillm"] <= got["ttft p90"]["minillm"] <= got["ttft p99"]["minillm"]
+        assert got["itl p50"]["transformers"] <= got["itl p90"]["transformers"] <= got["itl p99"]["transformers"]
+    args = bench.parse_args(["serve"])
+    assert "serve" in args.what and args.rate == 2.0 and args.prefill_chunk == 512
 
 
 def test_serving_workload_is_seeded_poisson_with_shared_prefixes():
@@ -232,6 +237,7 @@ def test_defaults_and_compile_flag():
     (["serve", "--rate", "inf"], "--rate"),
     (["serve", "--slo-ttft", "fast"], "--slo-ttft"),
     (["serve", "--serve-requests", "2.5"], "--serve-requests"),
+    (["serve", "--prefill-chunk", "0"], "--prefill-chunk"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -108,6 +108,24 @@ def test_completions_endpoint_equals_offline(client, llm):
     assert streamed == ref.text
 
 
+def test_completions_take_token_ids_and_ignore_eos(server, client, llm):
+    """A prompt of token ids (OpenAI's API allows it) is the same prompt as its text; ignore_eos
+    (vLLM's extension) writes all max_tokens past the end of sequence, which greedy reaches first."""
+    ids = llm.encode_chat(messages("What is 2 + 2?"))
+    ref = generate(llm.model, llm.tokenizer, ids, max_new_tokens=60)
+    assert ref.finish_reason == "stop" and len(ref.token_ids) < 60
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=60, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (ref.text, "stop")
+    assert r.usage.prompt_tokens == len(ids)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+    past = generate(llm.model, llm.tokenizer, ids, max_new_tokens=60, eos_token_ids=())
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (past.text, "length", 60)
+    for bad, param in [([1, "a"], "prompt"), ([10**9], "prompt"), ({"ignore_eos": "yes"}, "ignore_eos")]:
+        body = {"model": MODEL, "prompt": bad} if isinstance(bad, list) else {"model": MODEL, "prompt": "hi", **bad}
+        got, err = post(server[1], "/v1/completions", body)
+        assert (got, err["error"]["param"]) == (400, param), err
+
+
 def test_logprobs_equal_offline(client, offline):
     q = QUESTIONS[0]
     r = chat(client, q, logprobs=True, top_logprobs=3)
