@@ -21,13 +21,13 @@ request) at p50/p90/p99, and goodput: requests per second that met both latency 
 (--slo-ttft seconds to the first token, --slo-tpot seconds per later token, on average).
 
 The Poisson workload also goes through minillm's OpenAI server (notebook 14) over HTTP: uvicorn
-in a thread of this process, one client thread per request, /v1/completions streamed with the
-prompt as token ids and `ignore_eos`; a token counts as delivered when its chunk arrives
-(variant "http vs in-process": the other column holds the in-process run). Then chunked prefill
-(notebook 12): a workload of long prompts (16-1024 tokens, Poisson at a
-quarter of --rate) on minillm's engine with --prefill-chunk prompt tokens per step, against the
-same engine prefilling each prompt whole; the row's "transformers" column holds the whole-prefill
-run (variant "chunked vs whole prefill").
+in a thread of this process, the clients in another process (one thread per request),
+/v1/completions streamed with the prompt as token ids and `ignore_eos`; a token counts as
+delivered when its chunk arrives (variant "http vs in-process": the other column holds the
+in-process run). Then chunked prefill (notebook 12): a workload of long prompts (16-1024 tokens,
+Poisson at a quarter of --rate) on minillm's engine with --prefill-chunk prompt tokens per step,
+against the same engine prefilling each prompt whole; the row's "transformers" column holds the
+whole-prefill run (variant "chunked vs whole prefill").
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import multiprocessing
 import random
 import threading
 import time
@@ -141,21 +142,33 @@ def _stream_completion(url: str, arrival: Arrival, t0: float, times: list[float]
     times += times[-1:] * (made - len(times))
 
 
+def _clients(url: str, workload: list[Arrival], out) -> None:
+    """The clients' process: one thread per request, each posting when due; sends back the token times."""
+    times, t0 = [[] for _ in workload], time.perf_counter()
+    clients = [threading.Thread(target=_stream_completion, args=(url, w, t0, t), daemon=True)
+               for w, t in zip(workload, times)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join()
+    out.send(times)
+
+
 def http_serving(model, tokenizer, workload: list[Arrival]) -> list[list[float]]:
-    """Each request's token times through minillm's OpenAI server (notebook 14) over HTTP, uvicorn in
-    a thread of this process: one client thread per request, streamed, the prompt as token ids."""
+    """Each request's token times through minillm's OpenAI server (notebook 14) over HTTP: uvicorn in
+    a thread of this process, the clients in a process of their own (their threads would otherwise
+    compete with the engine's for this interpreter's lock), streamed, the prompt as token ids."""
     blocks = sum(-(-(len(w.prompt) + w.max_new_tokens) // 16) for w in workload)
     app = create_app(LLM(model, tokenizer), num_blocks=blocks + 8, max_num_seqs=len(workload), prefill_chunk=None)
     server = BackgroundServer(app)  # prefills as the in-process engine does: only HTTP differs
     try:
         _stream_completion(server.url, Arrival(0.0, workload[0].prompt[:8], 2), time.perf_counter(), [])  # warm-up
-        times, t0 = [[] for _ in workload], time.perf_counter()
-        clients = [threading.Thread(target=_stream_completion, args=(server.url, w, t0, t), daemon=True)
-                   for w, t in zip(workload, times)]
-        for client in clients:
-            client.start()
-        for client in clients:
-            client.join()
+        context = multiprocessing.get_context("spawn")
+        receive, send = context.Pipe(duplex=False)
+        clients = context.Process(target=_clients, args=(server.url, workload, send), daemon=True)
+        clients.start()
+        times = receive.recv()
+        clients.join()
     finally:
         server.stop()
     return times
