@@ -3,15 +3,17 @@
 """Continuous batching: admit, make_room -> Scheduler -> EngineCore.step -> Engine.
 
 Built in notebooks/12_engine.ipynb on the paged KV cache (notebook 11), for the requests of
-minillm/sequence.py. Each step admits waiting sequences while KV blocks allow, prefills them (a
-long prompt in chunks of a per-step token budget, so that it does not stall the others), runs
-one batched decode forward for all running sequences, samples each with its own parameters,
-streams text, finishes sequences on their stop conditions and frees their blocks. Out of blocks:
+minillm/sequence.py. Each step admits waiting sequences while KV blocks allow, and computes in
+one packed forward (minillm/packed.py: no padding) the prompts to prefill (a long prompt in
+chunks of a per-step token budget, so that it does not stall the others) and one token for
+every running sequence; it samples each with its own parameters, streams text, finishes
+sequences on their stop conditions and frees their blocks. Out of blocks:
 the newest running sequence is preempted (blocks freed, requeued, recomputed later). A request
 for n choices is prefilled once; its n sequences then share the prompt's blocks
 (BlockManager.fork, copy-on-write), and choice i samples with seed + i. A decode step over many
 cached tokens reads the blocks where they lie (notebook 11's FlexAttention path) wherever it
-runs; prefills and shorter decode steps gather them. In the manner of nano-vllm, without its
+runs; prefills and shorter decode steps gather them. A batch with LoRA adapters (notebook 19),
+chosen per row, runs padded forwards instead. In the manner of nano-vllm, without its
 global context.
 
 Shape legend: B batch (running sequences), T new tokens, V vocab.
@@ -30,6 +32,7 @@ import torch
 from minillm.constrained import Constraints, apply_constraints
 from minillm.lora import adapter_index
 from minillm.model import CausalLM
+from minillm.packed import PackedView, packed_layout
 from minillm.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, check_attention, decode_layout,
                                      use_paged_attention)
 from minillm.paged_cache import BlockManager, PagedView, batch_layout, cache_computed, make_paged_cache
@@ -210,30 +213,47 @@ def copy_blocks(cache: list, manager: BlockManager) -> None:
             layer.copy_blocks(pairs)
 
 
-def prefill_groups(prefills: list[tuple[Sequence, int]], max_prefill_tokens: int,
+def packed_batches(prefills: list[tuple[Sequence, int]], decoding: list[Sequence], max_tokens: int,
                    max_model_len: int) -> list[list[tuple[Sequence, int]]]:
-    """Batches of (sequence, new tokens) of similar length: most new tokens first; a new batch when
-    padding would pass a fifth of it, or max_prefill_tokens padded tokens, or the context."""
-    groups, group, cached, new, real = [], [], 0, 0, 0
-    for seq, n in sorted(prefills, key=lambda p: p[1], reverse=True):
-        c = seq.num_computed  # keys already in the cache: from the prefix cache or earlier chunks
-        C, T = max(cached, c), max(new, n)
-        padded = (len(group) + 1) * (C + T)
-        if group and (padded > max_prefill_tokens or real + c + n < 0.8 * padded or C + T > max_model_len):
-            groups.append(group)
-            group, C, T, real = [], c, n, 0
-        group.append((seq, n))
-        cached, new, real = C, T, real + c + n
-    return groups + [group] if group else groups
+    """A step's forwards, each [(sequence, prompt tokens to compute, or 0: its pending token)]: the prompt
+    chunks, then the decode tokens, in order; a new forward where max_tokens (or the context) would pass."""
+    cap, batches, used = min(max_tokens, max_model_len), [[]], 0
+    for seq, n in [*prefills, *((seq, 0) for seq in decoding)]:
+        if batches[-1] and used + max(n, 1) > cap:
+            batches.append([])
+            used = 0
+        batches[-1].append((seq, n))
+        used += max(n, 1)
+    return [batch for batch in batches if batch]
 
 
-def step_batches(prefills: list[tuple[Sequence, int]], decoding: list[Sequence], max_prefill_tokens: int,
-                 max_model_len: int) -> list[tuple[list[Sequence], list[list[int]], list[int] | None]]:
-    """A step's forwards, (sequences, new ids, where they end): each prefill group's chunks of prompt,
-    then the decode batch (each pending token, at its sequence's end: None)."""
-    batches = [([s for s, _ in g], [s.token_ids[s.num_computed : s.num_computed + n] for s, n in g],
-                [s.num_computed + n for s, n in g]) for g in prefill_groups(prefills, max_prefill_tokens, max_model_len)]
-    return batches + [(decoding, [[s.pending] for s in decoding], None)] if decoding else batches
+def forward_packed(model: CausalLM, cache: list, manager: BlockManager, batch: list[tuple[Sequence, int]],
+                   attention: str = "gather") -> torch.Tensor:
+    """Next-token logits (rows, V) of a packed batch: one forward over its new tokens side by side, no padding."""
+    device = next(model.parameters()).device
+    chunks, decoding = [(s, n) for s, n in batch if n], [s for s, n in batch if not n]
+    ids = [t for s, n in chunks for t in s.token_ids[s.num_computed : s.num_computed + n]] + [s.pending for s in decoding]
+    paged = bool(decoding) and paged_step(attention, model, manager, [s.id for s in decoding], 1)
+    layout = packed_layout(manager, [(s.id, s.num_computed, n) for s, n in chunks], [s.id for s in decoding],
+                           cache[0].k.shape[0], device, paged)
+    logits = model(torch.tensor([ids], device=device), positions=layout.positions,
+                   cache=[PackedView(c, layout) for c in cache], logits_to_keep=layout.ends)  # (1, rows, V)
+    return logits[0]
+
+
+def forward_step(model: CausalLM, cache: list, manager: BlockManager, batch: list[tuple[Sequence, int]],
+                 sink_slot: int, attention: str = "gather") -> torch.Tensor:
+    """Logits (rows, V) of one of a step's batches: packed, but where a row has a LoRA adapter (notebook
+    19), whose weights are chosen per row: then a padded forward for the chunks and one for the decode."""
+    if not any(s.lora for s, _ in batch):
+        return forward_packed(model, cache, manager, batch, attention)
+    chunks, decoding = [(s, n) for s, n in batch if n], [s for s, n in batch if not n]
+    parts = [forward_batch(model, cache, manager, [s for s, _ in chunks],
+                           [s.token_ids[s.num_computed : s.num_computed + n] for s, n in chunks], sink_slot,
+                           attention, [s.num_computed + n for s, n in chunks])] if chunks else []
+    if decoding:
+        parts.append(forward_batch(model, cache, manager, decoding, [[s.pending] for s in decoding], sink_slot, attention))
+    return torch.cat(parts)
 
 
 def advance(seq: Sequence, token: int) -> Output:
@@ -329,7 +349,7 @@ class EngineCore:
         self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
         self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
         self.attention = check_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 11
-        self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
+        self.max_prefill_tokens = max_prefill_tokens  # new tokens per packed forward
         self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings, check_chunk(prefill_chunk))
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
         self.finish_reasons: Counter[str] = Counter()  # how requests ended: stop, length, abort, error
@@ -351,11 +371,11 @@ class EngineCore:
             self._finish(seq, "error", never_fits(self.manager, seq, self.scheduler.max_model_len))
         outputs = [Output(seq.id, None, "", True, "error", seq.error) for seq in rejected]
         copy_blocks(self.cache, self.manager)
-        for seqs, new_ids, lengths in step_batches(prefills, decoding, self.max_prefill_tokens, self.scheduler.max_model_len):
-            logits = forward_batch(self.model, self.cache, self.manager, seqs, new_ids, self.sink_slot, self.attention, lengths)
-            if lengths is not None:  # a prefill: only the rows whose prompt is now complete sample
-                done = [b for b, (s, n) in enumerate(zip(seqs, map(len, new_ids))) if advance_prefill(self.manager, s, n)]
-                seqs, logits = [seqs[b] for b in done], logits[done]
+        for batch in packed_batches(prefills, decoding, self.max_prefill_tokens, self.scheduler.max_model_len):
+            logits = forward_step(self.model, self.cache, self.manager, batch, self.sink_slot, self.attention)
+            # the decode rows sample, and the prefill rows whose prompt is now complete
+            done = [b for b, (s, n) in enumerate(batch) if n == 0 or advance_prefill(self.manager, s, n)]
+            seqs, logits = [batch[b][0] for b in done], logits[done]
             seqs, logits = fork_choices(self.manager, self.scheduler.running, seqs, logits)  # n > 1: choices join
             for out in sample_batch(seqs, logits):
                 if out.finished:

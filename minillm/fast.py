@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minillm.attention import attention_mask as build_attention_mask
-from minillm.model import CausalLM, ModelConfig, check_forward_inputs, padded_positions, rope_frequencies
+from minillm.model import (CausalLM, ModelConfig, check_forward_inputs, keep_columns, padded_positions,
+                           rope_frequencies)
 from minillm.quant import MODES, int8_table, quantize_linear
 
 QUANTIZE_CHOICES = (None, *MODES)  # None: the model's own dtype
@@ -176,12 +177,11 @@ class FastCausalLM(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)  # (B, T, h)
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None,
-                cache: list | None = None, start_pos: int = 0, logits_to_keep: int = 0) -> Tensor:
-        """Logits (B, T, V), as CausalLM.forward; logits_to_keep=n > 0 returns only the last n positions."""
+                cache: list | None = None, start_pos: int = 0, logits_to_keep: int | Tensor = 0) -> Tensor:
+        """Logits (B, T, V), as CausalLM.forward; logits_to_keep=n > 0 returns only the last n positions
+        (a 1-D tensor: those columns)."""
         B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         cos, sin = rope_rows(self.cos, self.sin, positions, attention_mask, start_pos, T, S)
         mask = fast_mask(T, S, start_pos, attention_mask, input_ids.device)
         x = self._layers(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos)  # (B, T, h)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]  # (B, n, h)
-        return self.lm_head(x)  # (B, T or n, V)
+        return self.lm_head(keep_columns(x, logits_to_keep))  # (B, T or n, V)

@@ -257,7 +257,7 @@ def padded_positions(attention_mask: torch.Tensor, start_pos: int) -> torch.Tens
 
 
 def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                         cache: list | None, start_pos: int, logits_to_keep: int) -> tuple[int, int, int]:
+                         cache: list | None, start_pos: int, logits_to_keep: int | torch.Tensor) -> tuple[int, int, int]:
     """The checks of forward's arguments, once per call (shared with the fast path of notebook 15);
     returns (B, T, S). Nothing inside the layers checks again.
 
@@ -278,9 +278,23 @@ def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention
         raise ValueError(f"input_ids must be in [0, {config.vocab_size}), got min {int(input_ids.min())} max {int(input_ids.max())}")
     if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
         raise ValueError(f"attention_mask must be (B, start_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
-    if not 0 <= logits_to_keep <= T:
+    if isinstance(logits_to_keep, torch.Tensor):  # the columns to keep (packed sequences' last tokens)
+        if logits_to_keep.ndim != 1 or logits_to_keep.dtype != torch.long:
+            raise ValueError(f"logits_to_keep as a tensor must be 1-D int64 column indices, got "
+                             f"{tuple(logits_to_keep.shape)} {logits_to_keep.dtype}")
+        if on_host(logits_to_keep) and len(logits_to_keep) and not 0 <= int(logits_to_keep.min()) <= int(logits_to_keep.max()) < T:
+            raise ValueError(f"logits_to_keep columns must be in [0, T={T}), got {logits_to_keep.tolist()}")
+    elif not 0 <= logits_to_keep <= T:
         raise ValueError(f"logits_to_keep must be in [0, T={T}] (0 = all), got {logits_to_keep}")
     return B, T, S
+
+
+def keep_columns(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The columns of x (B, T, h) whose logits are wanted: all (0), the last n (an int n), or the
+    listed ones (a 1-D tensor of column indices, as transformers takes it: packed sequences' ends)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return x[:, logits_to_keep]  # (B, n, h)
+    return x[:, -logits_to_keep:] if logits_to_keep else x  # (B, n, h) or (B, T, h)
 
 
 class CausalLM(nn.Module):
@@ -299,11 +313,12 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache: list | None = None,
-                start_pos: int = 0, logits_to_keep: int = 0) -> torch.Tensor:
+                start_pos: int = 0, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
         """Logits (B, T, V) for T new tokens that follow `start_pos` cached ones.
 
         positions (B, T) or (T,); attention_mask (B, start_pos + T), 1 = token, 0 = padding; cache: one
-        object per layer with `update(pos, k, v)`; logits_to_keep = n > 0: the last n positions only."""
+        object per layer with `update(pos, k, v)`; logits_to_keep = n > 0: the last n positions only
+        (a 1-D tensor: those columns)."""
         B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         if positions is None:
             if attention_mask is None:
@@ -318,8 +333,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)
         x = self.model.norm(x)  # (B, T, h)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]  # (B, n, h): the head is the largest matrix; skip unneeded rows
+        x = keep_columns(x, logits_to_keep)  # (B, n, h): the head is the largest matrix; skip unneeded rows
         if self.lm_head is None:  # tied: the embedding matrix is the head
             return F.linear(x, self.model.embed_tokens.weight)  # (B, T, h) @ (h, V) -> (B, T, V)
         return self.lm_head(x)  # (B, T, V); a module, so a quantized head (notebook 13) fits here too

@@ -43,21 +43,20 @@ def alone(model, tok, prompts, limits):
 
 
 def recording(monkeypatch):
-    """Record, per engine step, the prompt tokens each prefill forward computed."""
+    """Record, per engine step, the prompt tokens each forward computed."""
     steps = []
-    real_step, real_forward = Engine.step, engine_module.forward_batch
+    real_step, real_forward = Engine.step, engine_module.forward_step
 
     def step(self):
         steps.append([])
         return real_step(self)
 
-    def forward(model, cache, manager, seqs, new_ids, sink_slot, attention="gather", lengths=None):
-        if lengths is not None:
-            steps[-1].append(sum(map(len, new_ids)))
-        return real_forward(model, cache, manager, seqs, new_ids, sink_slot, attention, lengths)
+    def forward(model, cache, manager, batch, *rest):
+        steps[-1].append(sum(n for _, n in batch))  # prompt tokens (a decode row counts 0)
+        return real_forward(model, cache, manager, batch, *rest)
 
     monkeypatch.setattr(Engine, "step", step)
-    monkeypatch.setattr(engine_module, "forward_batch", forward)
+    monkeypatch.setattr(engine_module, "forward_step", forward)
     return steps
 
 

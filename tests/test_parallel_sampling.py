@@ -49,13 +49,13 @@ def test_the_prompt_is_prefilled_once_and_its_blocks_are_shared(smollm2, monkeyp
     model, tok = smollm2
     ids = chat_ids(smollm2, "Name a colour.")
     computed = []  # new tokens per forward: the prompt once, then one per running choice
-    forward = engine_module.forward_batch
+    forward = engine_module.forward_step
 
-    def counting(model, cache, manager, seqs, new_ids, sink_slot, *rest):
-        computed.append(sum(map(len, new_ids)))
-        return forward(model, cache, manager, seqs, new_ids, sink_slot, *rest)
+    def counting(model, cache, manager, batch, *rest):
+        computed.append(sum(max(n, 1) for _, n in batch))  # a decode row (n = 0) computes one token
+        return forward(model, cache, manager, batch, *rest)
 
-    monkeypatch.setattr(engine_module, "forward_batch", counting)
+    monkeypatch.setattr(engine_module, "forward_step", counting)
     engine = Engine(model, tok, num_blocks=64, block_size=16)
     first = engine.make_request(ids, HOT, max_new_tokens=6, n=3)
     rids = [first.id] + [f.id for f in first.forks]
