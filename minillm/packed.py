@@ -34,6 +34,7 @@ class Segment:
     new: int                  # its new tokens
     cached: int               # keys before them, already in the pool
     keys: torch.Tensor | None  # (cached + new,) pool slots of all its keys; None: nothing cached
+    allowed: torch.Tensor | None  # (new, cached + new) which keys each query sees; None: nothing cached
 
 
 @dataclass
@@ -55,7 +56,9 @@ def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, 
     slots, positions, segments, ends = [], [], [], []
     for s, cached, new in chunks:
         table = [manager.slot(s, p) for p in range(cached + new)]  # every key's slot, cached then new
-        segments.append(Segment(len(slots), new, cached, torch.tensor(table, device=device) if cached else None))
+        keys, allowed = (torch.tensor(table, device=device), causal_mask(new, cached + new, cached, device)) if cached \
+            else (None, None)  # query i sees keys 0 .. cached + i (notebook 02's rule); fresh: plain causal
+        segments.append(Segment(len(slots), new, cached, keys, allowed))
         slots += table[cached:]
         positions += range(cached, cached + new)
         ends.append(len(slots) - 1)
@@ -91,9 +94,10 @@ class PackedView:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k, v (1, Hkv, N, D) -> (1, H, N, D): each chunk causal over its own keys."""
-        N, bs, Hkv, D = self.cache.k.shape
+        blocks, bs, Hkv, D = self.cache.k.shape
         P, outs = self.layout.prefill_tokens, []
-        k_pool, v_pool = self.cache.k.view(N * bs, Hkv, D), self.cache.v.view(N * bs, Hkv, D)  # one row per slot
+        k_pool = self.cache.k.view(blocks * bs, Hkv, D)  # (blocks, bs, Hkv, D) -> one row per slot
+        v_pool = self.cache.v.view(blocks * bs, Hkv, D)
         k_pool[self.layout.slots[:P]] = k[0, :, :P].transpose(0, 1)  # (Hkv, P, D) -> (P, Hkv, D)
         v_pool[self.layout.slots[:P]] = v[0, :, :P].transpose(0, 1)
         for seg in self.layout.segments:
@@ -101,11 +105,10 @@ class PackedView:
             if seg.keys is None:  # a fresh prompt: its own new keys, plainly causal (SDPA's fused kernel)
                 outs.append(F.scaled_dot_product_attention(q[:, :, cols], k[:, :, cols], v[:, :, cols],
                                                            is_causal=True, enable_gqa=True))
-            else:  # after cached keys: read them all from the pool, query i sees keys 0 .. cached + i
+            else:  # after cached keys: read them all from the pool, each query sees its own and earlier ones
                 keys = k_pool[seg.keys].transpose(0, 1)[None]  # (S, Hkv, D) -> (1, Hkv, S, D), S = cached + new
                 values = v_pool[seg.keys].transpose(0, 1)[None]
-                allowed = causal_mask(seg.new, seg.cached + seg.new, seg.cached, q.device)  # (new, S)
-                outs.append(F.scaled_dot_product_attention(q[:, :, cols], keys, values, attn_mask=allowed,
+                outs.append(F.scaled_dot_product_attention(q[:, :, cols], keys, values, attn_mask=seg.allowed,
                                                            enable_gqa=True))
         if self.decode is not None:  # one token per row: (1, heads, Bd, D) -> (Bd, heads, 1, D) and back
             rows = lambda x: x[0, :, P:, None].transpose(0, 1)
