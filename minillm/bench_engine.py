@@ -25,6 +25,11 @@ def mixed_requests(n: int, vocab: int, seed: int = 0, prompt_range=(8, 96), new_
             for _ in range(n)]
 
 
+def pool_blocks(tokens, page: int = 16) -> int:
+    """Blocks of `page` slots to hold every request's KV at once; tokens: each request's prompt + new tokens."""
+    return sum(-(-n // page) for n in tokens)
+
+
 def transformers_padded_batch(hf_model, requests, pad_id: int, **generate_kwargs) -> float:
     """Seconds for transformers' generate on all requests as one left-padded batch, greedy.
 
@@ -47,7 +52,7 @@ def transformers_padded_batch(hf_model, requests, pad_id: int, **generate_kwargs
 
 def minillm_engine(model, tokenizer, requests, adapters=None) -> float:
     """Seconds for the engine to run every request; adapters: a LoRA adapter's name per request (notebook 19)."""
-    blocks = sum(-(-(len(p) + m) // 16) for p, m in requests)  # every request's KV at once, in 16-token blocks
+    blocks = pool_blocks(len(p) + m for p, m in requests)  # every request's KV at once
     engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
                     enable_prefix_caching=False)
     t0 = time.perf_counter()

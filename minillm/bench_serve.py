@@ -43,7 +43,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from minillm.api import LLM
-from minillm.bench_engine import transformers_padded_batch
+from minillm.bench_engine import pool_blocks, transformers_padded_batch
 from minillm.engine import Engine
 from minillm.fast import FastCausalLM
 from minillm.server import BackgroundServer, create_app
@@ -101,7 +101,7 @@ def _wait_until(t0: float, at: float) -> None:
 
 def minillm_serving(model, tokenizer, workload: list[Arrival], prefill_chunk: int | None = None) -> list[list[float]]:
     """Each request's token times on minillm's engine, requests added as they arrive."""
-    blocks = sum(-(-(len(w.prompt) + w.max_new_tokens) // 16) for w in workload)  # room for all at once
+    blocks = pool_blocks(len(w.prompt) + w.max_new_tokens for w in workload)  # room for all at once
     engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(workload),
                     prefill_chunk=prefill_chunk)
     engine.add_request(workload[0].prompt[:8], None, 2, eos_token_ids=())  # warm-up, before the clock starts
@@ -158,7 +158,7 @@ def http_serving(model, tokenizer, workload: list[Arrival]) -> list[list[float]]
     """Each request's token times through minillm's OpenAI server (notebook 14) over HTTP: uvicorn in
     a thread of this process, the clients in a process of their own (their threads would otherwise
     compete with the engine's for this interpreter's lock), streamed, the prompt as token ids."""
-    blocks = sum(-(-(len(w.prompt) + w.max_new_tokens) // 16) for w in workload)
+    blocks = pool_blocks(len(w.prompt) + w.max_new_tokens for w in workload)
     app = create_app(LLM(model, tokenizer), num_blocks=blocks + 8, max_num_seqs=len(workload), prefill_chunk=None)
     server = BackgroundServer(app)  # prefills as the in-process engine does: only HTTP differs
     try:
@@ -179,7 +179,7 @@ def transformers_continuous(hf, workload: list[Arrival]) -> list[list[float]]:
     # imported on use: transformers is the peer, installed for tests and benchmarks only (requirements-dev.txt)
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    pages = sum(-(-(len(w.prompt) + w.max_new_tokens) // 256) for w in workload)
+    pages = pool_blocks((len(w.prompt) + w.max_new_tokens for w in workload), page=256)
     manager = hf.init_continuous_batching(
         GenerationConfig(do_sample=False, max_new_tokens=max(w.max_new_tokens for w in workload), eos_token_id=-1,
                          pad_token_id=0),
