@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minillm.attention import causal_mask
+from minillm.attention import causal_mask, padding_mask
 from minillm.paged_attention import BlockTableView, DecodeLayout, decode_layout
 from minillm.paged_cache import BatchLayout, BlockManager, PagedView, batch_layout
 
@@ -45,6 +45,7 @@ class PackedLayout:
     segments: list[Segment]  # the prompt chunks, in columns 0 .. P - 1
     prefill_tokens: int      # P: the decode tokens follow, one per sequence
     decode: BatchLayout | DecodeLayout | None  # the decode tokens' own layout (gathered or paged)
+    decode_keys: torch.Tensor | None  # (Bd, 1, 1, S) True for a real key of a gathered decode row
     ends: torch.Tensor       # (rows,) the column of each sequence's last token: its logits are kept
 
 
@@ -62,26 +63,30 @@ def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, 
         slots += table[cached:]
         positions += range(cached, cached + new)
         ends.append(len(slots) - 1)
-    P, decode = len(slots), None
+    P, decode, decode_keys = len(slots), None, None
     if decode_ids:
         decode = (decode_layout(manager, decode_ids, pool_blocks, device) if paged else
                   batch_layout(manager, decode_ids, 1, device=device))  # one new token each: no padding queries
+        decode_keys = None if paged else padding_mask(decode.attention_mask)  # once, for every layer
         lengths = [manager.num_tokens(s) for s in decode_ids]
         slots += [manager.slot(s, L - 1) for s, L in zip(decode_ids, lengths)]  # as in their own layout
         positions += [L - 1 for L in lengths]
         ends += range(P, P + len(decode_ids))
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-    return PackedLayout(t(slots), t([positions]), segments, P, decode, t(ends))
+    return PackedLayout(t(slots), t([positions]), segments, P, decode, decode_keys, t(ends))
 
 
 class GatheredDecodeView(PagedView):
-    """Decode tokens gathered as notebook 11's PagedView does, then SDPA over each row's keys."""
+    """Decode tokens gathered as notebook 11's PagedView does, then SDPA over each row's real keys."""
+
+    def __init__(self, cache, layout: BatchLayout, real_keys: torch.Tensor):
+        super().__init__(cache, layout)
+        self.real_keys = real_keys  # (Bd, 1, 1, S): the left padding masked
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (Bd, H, 1, D), k, v (Bd, Hkv, 1, D) -> (Bd, H, 1, D)."""
         keys, values = self.update(self.layout.start_pos, k, v)  # (Bd, Hkv, S, D): cached keys and the new one
-        real = self.layout.attention_mask.bool()[:, None, None, :]  # (Bd, 1, 1, S): the left padding masked
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=real, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.real_keys, enable_gqa=True)
 
 
 class PackedView:
@@ -89,8 +94,12 @@ class PackedView:
 
     def __init__(self, cache, layout: PackedLayout):
         self.cache, self.layout, decode = cache, layout, layout.decode
-        self.decode = None if decode is None else (BlockTableView if isinstance(decode, DecodeLayout)
-                                                   else GatheredDecodeView)(cache, decode)
+        if decode is None:
+            self.decode = None
+        elif isinstance(decode, DecodeLayout):
+            self.decode = BlockTableView(cache, decode)
+        else:
+            self.decode = GatheredDecodeView(cache, decode, layout.decode_keys)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k, v (1, Hkv, N, D) -> (1, H, N, D): each chunk causal over its own keys."""
