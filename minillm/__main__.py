@@ -9,6 +9,7 @@
     python -m minillm generate "Hi" --fast --quantize int4            # the fast path (notebook 15)
     python -m minillm generate "Hi" --speculative int4 --num-draft 4  # speculative decoding (notebook 17)
     python -m minillm generate "A city?" --json-schema city.json      # JSON that always parses (notebook 18)
+    torchrun --nproc-per-node 2 -m minillm serve --tensor-parallel 2 # one model over 2 ranks (notebook 20)
 
 The default model is the embedded SmolLM2-135M-Instruct GGUF (offline); --model takes a hub
 id, a model folder or a .gguf file.
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 from minillm.api import load
@@ -34,6 +36,8 @@ from minillm.server import PREFILL_CHUNK, serve
 from minillm.server_ops import read_keys
 from minillm.speculative import SpeculationStats
 from minillm.speculative import stream as speculative_stream
+from minillm.tensor_parallel import RankLost
+from minillm.tp_runtime import Control, LeadEngine, follow, read_line
 
 
 def gguf_summary(path: Path) -> dict:
@@ -95,9 +99,21 @@ def _params(args):
 def _load(args, lora=None):
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size applies to --quantize int4, got --quantize {args.quantize}")
+    if args.tensor_parallel and getattr(args, "speculative", None):
+        raise ValueError("--speculative drafts with a second model: not with --tensor-parallel")
     return load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                 group_size=32 if args.group_size is None else args.group_size, fast=args.fast, compile=args.compile,
-                lora=lora)
+                lora=lora, tensor_parallel=args.tensor_parallel)
+
+
+def _ranks(args) -> Control | None:
+    """--tensor-parallel: the ranks' control channel (notebook 20); only rank 0 writes to stdout."""
+    if not args.tensor_parallel:
+        return None
+    control = Control()
+    if control.rank:
+        sys.stdout = open(os.devnull, "w")
+    return control
 
 
 def lora_specs(args) -> dict[str, str]:
@@ -189,6 +205,7 @@ def cmd_generate(args) -> int:
     _check_speculative(args)
     fmt = _response_format(args)
     llm = _load(args, args.lora)
+    _ranks(args)  # every rank runs this same command: the same tokens everywhere, printed once
     if args.raw or not llm.tokenizer.chat_template:
         ids = llm.tokenizer.encode(args.prompt)
     else:
@@ -202,17 +219,17 @@ def cmd_chat(args) -> int:
     _check_speculative(args)
     fmt = _response_format(args)
     llm = _load(args, args.lora)
-    drafter = _drafter(llm, args)
+    control, drafter = _ranks(args), _drafter(llm, args)
     print(f"minillm chat with {args.model or 'the embedded SmolLM2-135M-Instruct'} "
           "(/reset starts over, /exit or Ctrl-D quits)")
     history = [{"role": "system", "content": args.system}] if args.system else []
     start = list(history)
     while True:
-        try:
-            line = input("you> ").strip()
-        except (EOFError, KeyboardInterrupt):
+        line = read_line() if control is None else control.read_line()  # notebook 20: rank 0's line, on every rank
+        if line is None:  # Ctrl-D or Ctrl-C
             print()
             return 0
+        line = line.strip()
         if line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
@@ -239,6 +256,10 @@ def cmd_serve(args) -> int:
     specs = lora_specs(args)
     adapters = {name: read_adapter(path) for name, path in specs.items()}  # a bad adapter fails fast too
     llm = _load(args)
+    control = _ranks(args)
+    if control is not None and control.rank:  # notebook 20: a follower steps as rank 0's engine does
+        follow(llm.model, llm.tokenizer, control)
+        return 0
     if adapters:  # notebook 19: requests pick one with model="<name>:<adapter>"
         llm.model = MultiLoRA(llm.model, adapters)
     name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model
@@ -248,7 +269,10 @@ def cmd_serve(args) -> int:
     serve(llm, host=args.host, port=args.port, access_log=None if args.access_log == "off" else args.access_log,
           model_name=name, num_blocks=args.num_blocks, max_in_flight=args.max_in_flight, api_keys=keys,
           max_concurrent_per_key=args.max_concurrent_per_key, tokens_per_minute=args.tokens_per_minute,
-          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, prefill_chunk=args.prefill_chunk or None)
+          request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, prefill_chunk=args.prefill_chunk or None,
+          **({} if control is None else {"engine_class": partial(LeadEngine, control=control)}))
+    if control is not None:
+        control.share(None)  # the followers stop
     return 0
 
 
@@ -284,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", default="-", metavar="PATH",
                        help="one JSON line per request: '-' stderr (default), a file, or 'off'")
     _add_weight_flags(serve)
+    serve.add_argument("--tensor-parallel", type=int, metavar="N",
+                       help="split the model over N ranks started by `torchrun --nproc-per-node N -m minillm ...` "
+                            "(gloo on CPU, NCCL on CUDA; notebook 20)")
     serve.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                        help="serve a PEFT LoRA adapter beside the model (repeatable); a request picks it with "
                             "model='<served model>:NAME' (notebook 19)")
@@ -296,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
         p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
         _add_weight_flags(p)
+        p.add_argument("--tensor-parallel", type=int, metavar="N", help="split the model over N ranks started by "
+                       "`torchrun --nproc-per-node N -m minillm ...` (notebook 20)")
         p.add_argument("--lora", metavar="PATH", help="a PEFT LoRA adapter's folder, merged into the weights (notebook 19)")
         p.add_argument("--system", help="a system prompt")
         p.add_argument("--max-new-tokens", type=int, default=256)
@@ -332,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except RankLost as exc:  # notebook 20: another rank died or stopped answering
+        print(f"minillm: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from minillm.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_mode
 from minillm.sampling import SamplingParams
 from minillm.speculative import ModelDrafter, NgramDrafter, int4_drafter
 from minillm.speculative import stream as speculative_stream
+from minillm.tensor_parallel import load_rank_shard
 from minillm.tokenizer import Tokenizer
 from minillm.tools import call_format, check_tools, encode_with_tools, parse_tool_calls
 from minillm.weights import load_model
@@ -110,14 +111,16 @@ def chat_with_tools(llm: LLM, messages: Sequence[dict], params, speculative, too
 
 def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
          device: str | torch.device | None = None, quantize: str | None = None, group_size: int = 32,
-         fast: bool = False, compile: bool = False, lora: str | Path | None = None) -> LLM:
+         fast: bool = False, compile: bool = False, lora: str | Path | None = None,
+         tensor_parallel: int | None = None) -> LLM:
     """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct.
 
     quantize (notebook 13): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
     the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1 blocks quantized (CPU).
     fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too.
-    lora (notebook 19): a PEFT LoRA adapter's folder, merged into the float weights before the options."""
-    _check_options(quantize, group_size, fast, compile, lora)  # before any work (Plumbing, below)
+    lora (notebook 19): a PEFT LoRA adapter's folder, merged into the float weights before the options.
+    tensor_parallel (notebook 20): N, in each of the N processes torchrun starts: this rank's shard."""
+    _check_options(quantize, group_size, fast, compile, lora, tensor_parallel)  # before any work (Plumbing, below)
     adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     source = embedded_gguf_path() if model is None else model
     if isinstance(dtype, str):
@@ -126,7 +129,9 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     if quantize == "gguf":
         _check_gguf_source(source, device, dtype)
     tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # fails before the weights
-    if quantize == "gguf":
+    if tensor_parallel is not None:  # notebook 20: join the ranks, read this rank's slices
+        net = load_rank_shard(source, tensor_parallel, dtype, device)
+    elif quantize == "gguf":
         net = load_gguf_quantized(path)  # notebook 13: the file's own 4-bit blocks, never float weights
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
@@ -148,7 +153,8 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
 QUANTIZE = (*MODES, "gguf")  # notebook 13's modes, and keeping a .gguf file's own blocks
 
 
-def _check_options(quantize: str | None, group_size: int, fast: bool, compile: bool, lora=None) -> None:
+def _check_options(quantize: str | None, group_size: int, fast: bool, compile: bool, lora=None,
+                   tensor_parallel: int | None = None) -> None:
     """load's options, checked together before anything is read: ValueError naming the conflict."""
     if quantize not in (None, *QUANTIZE):
         raise ValueError(f"unknown quantize {quantize!r}; choose one of: {', '.join(QUANTIZE)} (or None)")
@@ -161,6 +167,8 @@ def _check_options(quantize: str | None, group_size: int, fast: bool, compile: b
     if fast and quantize == "gguf":
         raise ValueError("fast=True rebuilds the layers from float weights and cannot keep GGUF blocks; "
                          "use quantize='int4' (the same 4-bit grid as Q4_0/Q4_1 at group_size 32)")
+    if tensor_parallel is not None and (quantize or fast or lora is not None):
+        raise ValueError("tensor_parallel splits the float model's own linears: drop quantize, fast and lora")
     if lora is not None and quantize == "gguf":
         raise ValueError("lora= merges an adapter into float weights; quantize='gguf' keeps the file's 4-bit blocks")
 

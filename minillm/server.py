@@ -355,10 +355,10 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
                max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20,
                api_keys: Iterable[str] = (), max_concurrent_per_key: int | None = None,
                tokens_per_minute: int | None = None, request_timeout: float | None = None,
-               shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK) -> FastAPI:
+               shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=Engine) -> FastAPI:
     """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine
-    (prefill_chunk: its prompt tokens per step; None: every prompt whole)."""
-    engine = AsyncEngine(Engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
+    (prefill_chunk: its prompt tokens per step; None: every prompt whole; engine_class: nb 20's LeadEngine)."""
+    engine = AsyncEngine(engine_class(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
     engine.request_timeout = check_seconds("request_timeout", request_timeout, none_ok=True)
     grace = check_seconds("shutdown_grace", shutdown_grace)
     context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)

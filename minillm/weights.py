@@ -211,9 +211,15 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
 
     device defaults to pick_device(); dtype to default_dtype(device).
     """
-    folder = Path(folder)
     device = pick_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
+    return _build(*_open_folder(folder), dtype, device)
+
+
+def _open_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator, str]:
+    """Check a folder's config and safetensors headers; return its config, {name: shape}, the stream of
+    (name, tensor) and the source errors name (notebook 20's sharded loader reads the same stream)."""
+    folder = Path(folder)
     where = checkpoint_files(folder)
     config = ModelConfig.from_json(folder / "config.json")
     headers = {file: read_safetensors_header(file) for file in sorted(set(where.values()))}
@@ -225,7 +231,7 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
             yield from stream_safetensors(file, header)  # views of the memory-mapped file, one at a time
 
     source = str(next(iter(headers))) if len(headers) == 1 else str(folder)  # errors name the file where there is one
-    return _build(config, shapes, tensors(), dtype, device, source)
+    return config, shapes, tensors(), source
 
 
 def load_model(model: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> CausalLM:

@@ -1,0 +1,135 @@
+"""Tensor parallelism (notebook 20) with gloo on the CPU: ranks are processes started as torchrun
+starts them; every result is compared with the single-process model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DATA, TINY
+from safetensors.torch import load_file
+
+from minillm.embedded import embedded_gguf_path
+from minillm.engine import Engine
+from minillm.generate import generate
+from minillm.model import ModelConfig, from_folder
+from minillm.tensor_parallel import Split, check_split, shard
+from minillm.tokenizer import Tokenizer
+from minillm.weights import gguf_config
+from minillm.gguf_file import read_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "tp_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+from tp_worker import engine_prompts  # noqa: E402  (the same prompts as the ranks)
+
+
+def launch(task: str, world: int, out: Path, timeout: float = 240, **env) -> list[subprocess.Popen]:
+    """Start `world` ranks of tests/tp_worker.py with the variables torchrun sets; wait for rank 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1", **env}
+    ranks = [subprocess.Popen([sys.executable, str(WORKER), task, str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    try:
+        ranks[0].wait(timeout=timeout)
+    finally:
+        for p in ranks[1:]:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert ranks[0].returncode == 0, ranks[0].stderr.read()[-3000:]
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_gguf(embedded_gguf_path())
+
+
+def within_scale(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> bool:
+    """Every logit within rel x the largest |logit|: fp32 summed in another order, nothing more."""
+    return bool((got - want).abs().max() <= rel * want.abs().max())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_fixture_split_over_ranks_equals_one_process(world, tok, tmp_path):
+    launch("fixtures", world, tmp_path / "out.pt")
+    runs = torch.load(tmp_path / "out.pt")
+    for name in TINY:
+        model, got, ref = from_folder(DATA / name), runs[name], load_file(DATA / name / "reference.safetensors")
+        with torch.no_grad():
+            for i in range(3):
+                want = model(ref[f"input_ids_{i}"][None])[0]
+                assert within_scale(got["logits"][i], want), (name, i, float((got["logits"][i] - want).abs().max()))
+        assert got["greedy"] == generate(model, tok, ref["input_ids_0"].tolist(), max_new_tokens=32, eos_token_ids=()).token_ids
+        prompts, limits = engine_prompts()
+        alone = [generate(model, tok, p, max_new_tokens=m, eos_token_ids=()).token_ids for p, m in zip(prompts, limits)]
+        assert got["engine"] == alone, name
+        assert got["preemptions"] > 0, "the engine was meant to run short of blocks"
+        assert got["local_heads"] == (4 // world, 1), "each rank holds its share of heads (KV heads: one)"
+
+
+def test_smollm2_split_over_three_ranks_equals_one_process(smollm2, tmp_path):
+    model, tok = smollm2
+    launch("smollm2", 3, tmp_path / "out.pt")
+    got, ref = torch.load(tmp_path / "out.pt"), load_file(DATA / "smollm2" / "reference.safetensors")
+    for i in range(3):
+        ids = ref[f"prompt_ids_{i}"].tolist()
+        with torch.no_grad():
+            want = model(torch.tensor([ids]), logits_to_keep=1)[0, -1]
+        assert within_scale(got[f"last_logits_{i}"], want)
+        assert got[f"greedy_{i}"] == generate(model, tok, ids, max_new_tokens=32, eos_token_ids=()).token_ids
+
+
+@pytest.mark.parametrize("how", ["die", "hang"])
+def test_a_lost_rank_ends_the_others_with_a_clear_error(how, tmp_path):
+    start = time.monotonic()
+    launch(how, 2, tmp_path / "out.pt", timeout=120, TP_TIMEOUT="5")
+    got = torch.load(tmp_path / "out.pt")
+    assert got["error"] is not None and "another rank died or did not answer in time" in got["error"], got
+    assert got["seconds"] < 30 and time.monotonic() - start < 90, got
+
+
+def test_sizes_that_do_not_divide_are_named():
+    config = gguf_config(read_gguf(embedded_gguf_path()))  # SmolLM2-135M: 9 heads, 3 KV heads, MLP 1536
+    local = Split(config, 2, 3).local_config()
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (3, 1, 512)
+    for world, named in ((2, "num_attention_heads 9, num_key_value_heads 3"), (4, "num_attention_heads 9"),
+                         (9, "intermediate_size 1536"), (6, "num_attention_heads 9")):
+        with pytest.raises(ValueError, match=f"tensor_parallel {world} does not divide {named}"):
+            check_split(config, world)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="tensor_parallel must be an int >= 1"):
+            check_split(config, bad)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 3\)"):
+        Split(config, 3, 3)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("name", TINY)
+def test_the_ranks_slices_put_together_are_the_checkpoint(name, world):
+    """Column-parallel rows and row-parallel columns concatenate back to each tensor; replicated KV heads
+    (4 ranks, 2 heads) are each held by the ranks whose query heads read them."""
+    config, tensors = ModelConfig.from_json(DATA / name), load_file(DATA / name / "model.safetensors")
+    splits = [Split(config, r, world) for r in range(world)]
+    D, group = config.head_dim, config.num_attention_heads // config.num_key_value_heads
+    for key, w in tensors.items():
+        parts = [shard(s, key, w) for s in splits]
+        if "k_proj" in key or "v_proj" in key:
+            for s, part in zip(splits, parts):  # rank r's query heads [r Hl, (r+1) Hl) read KV head q // group
+                kv = {q // group for q in range(s.heads.start, s.heads.stop)}
+                assert torch.equal(part, torch.cat([w[h * D:(h + 1) * D] for h in sorted(kv)]))
+        else:
+            dim = 1 if key.endswith(("o_proj.weight", "down_proj.weight")) else 0
+            whole = parts[0] if all(p is w for p in parts) else torch.cat(parts, dim)
+            assert torch.equal(whole[: w.shape[0]], w), key
