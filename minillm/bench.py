@@ -53,7 +53,7 @@ JSON schema (--json prints it, --out FILE writes it too):
      "args": {...the flags...}, "skipped": {variant: reason},
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
-     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"paged"|"speculative"|"lora"|"serve"
+     "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"paged"|"speculative"|"lora"|"serve"|"tp"
                (in this order),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
                "metric": "load time", "build time", "time to first token", "prefill",
@@ -95,6 +95,7 @@ from minillm.bench_lora import lora_rows
 from minillm.bench_paged import paged_rows
 from minillm.bench_serve import add_serve_flags, serve_rows
 from minillm.bench_speculative import speculative_rows
+from minillm.bench_tp import tp_rows
 from minillm.devices import peak_memory_mib
 from minillm.embedded import embedded_gguf_path
 from minillm.fast import FastCausalLM
@@ -107,7 +108,7 @@ from minillm.weights import load_model
 DATA = Path(__file__).resolve().parent.parent / "data"
 VARIANTS = ("readable", "fast", "readable-int8", "readable-int4", "fast-int8", "fast-int4")
 COMPILED = ("fast-compiled", "fast-int4-compiled")
-SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "paged", "speculative", "lora", "serve")
+SECTIONS = ("load", "prefill", "decode", "ceiling", "memory", "engine", "paged", "speculative", "lora", "serve", "tp")
 LOWER_IS_BETTER = {"s", "ms", "MiB"}
 
 
@@ -258,7 +259,7 @@ def run_benchmark(args) -> dict:
     if what in ("all", "decode") and decode_prompt + args.tokens > context:
         raise SystemExit(f"error: --prompt-lengths {decode_prompt} (the decode prompt) + --tokens {args.tokens} "
                          f"exceed the model's context of {context} tokens")
-    if what != "ceiling":
+    if what not in ("ceiling", "tp"):
         load_transformers(sides, args)
     ceiling = ceilings(config, dtype, args.group_size, args.repeats * 2, skipped) if what in ("all", "decode",
                                                                                             "ceiling") else {}
@@ -310,6 +311,8 @@ def run_benchmark(args) -> dict:
         lora_rows(sides, args, row, skipped)
     if what in ("all", "serve"):
         serve_rows(sides, args, row, prompt_ids(sides.tokenizer, 4096, config.vocab_size))
+    if what in ("all", "tp"):
+        tp_rows(args, row)
     row("memory", "process", "peak RSS", "MiB", peak_memory_mib(torch.device("cpu")))
     rows.sort(key=lambda r: SECTIONS.index(r["section"]))  # stable: each section's rows keep their order
     return {"machine": machine(), "model": sides.name, "dtype": str(dtype).removeprefix("torch."),
@@ -415,7 +418,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "paged": "an engine decode step at 256-4096 tokens of context: gathered vs paged attention",
              "speculative": "speculative decoding (int4 drafter, prompt lookup) vs plain greedy decoding",
              "lora": "serving 4 LoRA adapters in one batch vs the base model alone (and transformers + PEFT)",
-             "serve": "requests arriving over time: throughput, latency percentiles and goodput"}
+             "serve": "requests arriving over time: throughput, latency percentiles and goodput",
+             "tp": "tensor parallelism over gloo: a decode step at TP 1 and 2, the collectives' share"}
     for name, text in helps.items():
         add_common(sub.add_parser(name, help=text, description=text), suppress=True)
     args = parser.parse_args(argv)

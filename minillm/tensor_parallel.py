@@ -210,6 +210,18 @@ def tensor_parallel_model(split: Split) -> CausalLM:
     return model
 
 
+def empty_shard(split: Split, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> CausalLM:
+    """One rank's model allocated once on `device`, its weights not yet written."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = tensor_parallel_model(split)
+    model = model.to(dtype=dtype or default_dtype(device)).to_empty(device=device)
+    if split.config.tie_word_embeddings:  # to_empty gave the head a tensor of its own: tie it again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.reset_rope()  # to_empty left inv_freq uninitialised
+    return model
+
+
 def read_checkpoint(source: str | Path) -> tuple[ModelConfig, dict, Iterator[tuple[str, torch.Tensor]], str]:
     """A .gguf file or a model folder, checked: its config, {name: shape}, the (name, tensor) stream and
     its name for errors. No tensor data is read until the stream is (safetensors: views of a memory map)."""
@@ -227,14 +239,8 @@ def load_shard(source: str | Path, rank: int, world: int, dtype: torch.dtype | N
     map, only their pages are read). A size that does not split raises ValueError naming it."""
     config, shapes, tensors, name = read_checkpoint(source)
     split = Split(config, rank, world)
-    device = torch.device(device)
     _check_names_and_shapes(config, shapes, name)  # the whole model's names and shapes, on "meta"
-    with torch.device("meta"):
-        model = tensor_parallel_model(split)
-    model = model.to(dtype=dtype or default_dtype(device)).to_empty(device=device)  # allocated once
-    if config.tie_word_embeddings:  # to_empty gave the head its own tensor: tie it again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.reset_rope()
+    model = empty_shard(split, dtype, device)
     params, written = dict(model.named_parameters()), set()  # a tied head is listed once, as the embedding
     with torch.no_grad():
         for key, w in tensors:

@@ -213,7 +213,8 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
     """
     device = pick_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
-    return _build(*_open_folder(folder), dtype, device)
+    config, shapes, tensors, source = _open_folder(folder)
+    return _build(config, shapes, tensors, dtype, device, source)
 
 
 def _open_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator, str]:

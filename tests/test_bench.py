@@ -269,3 +269,14 @@ def test_paged_section(result):
     assert in_place == {32, 96} or "FlexAttention does not run" in result["skipped"].get("paged paged", "")
     assert all(r["unit"] == "ms" and r["minillm"] > 0 and r["metric"] == "decode step, 4 sequences" for r in paged)
     assert bench.parse_args(["paged"]).what == "paged"
+
+
+def test_tp_section(result):
+    """TP 1 and TP 2 over gloo (torchrun): each rank holds half the weights; the share is its own ratio."""
+    tp = rows(result, section="tp")
+    one, two = (next(r for r in tp if r["metric"] == "weights per rank" and f"TP {w} x" in r["variant"]) for w in (1, 2))
+    assert two["minillm"] == pytest.approx(one["minillm"] / 2, rel=0.02)  # the norms are whole on each rank
+    get = lambda metric: next(r for r in tp if r["metric"] == metric)["minillm"]
+    assert get("decode step") > 0 and 0 < get("collectives alone, per token") and 0 < get("in collectives during a step")
+    assert get("collectives' share of the step") == pytest.approx(
+        100 * get("in collectives during a step") / [r for r in tp if r["metric"] == "decode step"][1]["minillm"])
