@@ -1,3 +1,5 @@
+# Generated from notebooks/20_tensor_parallel.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
 """Tensor parallelism: one model split across ranks, Megatron-style, over torch.distributed.
 
 Built in notebooks/20_tensor_parallel.ipynb. Each of N ranks holds 1/N of every large matrix:

@@ -1,3 +1,5 @@
+# Generated from notebooks/20_tensor_parallel.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
 """Keeping tensor-parallel ranks in step: rank 0 leads, the other ranks follow.
 
 Built in notebooks/20_tensor_parallel.ipynb. Every rank runs the same program (SPMD): the logits

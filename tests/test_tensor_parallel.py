@@ -4,25 +4,27 @@ starts them; every result is compared with the single-process model."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from conftest import DATA, TINY
 from safetensors.torch import load_file
 
 from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine
 from minillm.generate import generate
+from minillm.gguf_file import read_gguf
 from minillm.model import ModelConfig, from_folder
 from minillm.tensor_parallel import Split, check_split, shard
 from minillm.tokenizer import Tokenizer
 from minillm.weights import gguf_config
-from minillm.gguf_file import read_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
@@ -133,3 +135,70 @@ def test_the_ranks_slices_put_together_are_the_checkpoint(name, world):
             dim = 1 if key.endswith(("o_proj.weight", "down_proj.weight")) else 0
             whole = parts[0] if all(p is w for p in parts) else torch.cat(parts, dim)
             assert torch.equal(whole[: w.shape[0]], w), key
+
+
+def torchrun(world: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m", "minillm", *args]
+
+
+def test_cli_chat_under_torchrun_answers_as_one_process(smollm2):
+    """`torchrun ... -m minillm chat --tensor-parallel 3`: rank 0 reads the lines and prints the answers,
+    the same as the one-process model's greedy answers; the other ranks print nothing."""
+    model, tok = smollm2
+    questions = ["What is the capital of France?", "And of Italy?"]
+    flags = ["--temperature", "0", "--max-new-tokens", "24"]
+    done = subprocess.run(torchrun(3, "chat", "--tensor-parallel", "3", *flags), input="\n".join(questions) + "\n",
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    history, answers = [], []
+    for q in questions:
+        history.append({"role": "user", "content": q})
+        ids = tok.apply_chat_template(history, add_generation_prompt=True)
+        answers.append(generate(model, tok, ids, max_new_tokens=24).text)
+        history.append({"role": "assistant", "content": answers[-1]})
+    assert done.stdout.count("assistant> ") == 2 and done.stdout.count("minillm chat with") == 1  # rank 0 only
+    for answer in answers:
+        assert f"assistant> {answer}\n" in done.stdout
+
+
+def test_server_under_torchrun_answers_as_offline_generation(smollm2):
+    """A TP 3 server: concurrent requests (n = 2, streamed, a bad one) equal offline greedy generation."""
+    model, tok = smollm2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(torchrun(3, "serve", "--tensor-parallel", "3", "--port", str(port), "--access-log", "off"),
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-3000:] if server.poll() is not None else "no server"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        questions = ["What is the capital of France?", "Name a colour.", "Count to five."]
+
+        def ask(q):
+            body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": q}],
+                    "temperature": 0, "max_tokens": 20, "n": 2}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+
+        with ThreadPoolExecutor(4) as pool:
+            bad = pool.submit(httpx.post, f"{url}/v1/chat/completions", json={"model": "smollm2-135m-instruct",
+                              "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, timeout=60)
+            replies = list(pool.map(ask, questions))
+        assert bad.result().status_code == 400  # refused on rank 0: the followers never see it
+        for q, reply in zip(questions, replies):
+            ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+            want = generate(model, tok, ids, max_new_tokens=20).text
+            assert [c["message"]["content"] for c in reply["choices"]] == [want, want], reply
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
