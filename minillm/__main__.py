@@ -99,7 +99,7 @@ def _params(args):
 def _load(args, lora=None):
     if args.group_size is not None and args.quantize != "int4":
         raise ValueError(f"--group-size applies to --quantize int4, got --quantize {args.quantize}")
-    if args.tensor_parallel and getattr(args, "speculative", None):
+    if args.tensor_parallel is not None and getattr(args, "speculative", None):
         raise ValueError("--speculative drafts with a second model: not with --tensor-parallel")
     return load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                 group_size=32 if args.group_size is None else args.group_size, fast=args.fast, compile=args.compile,
@@ -108,7 +108,7 @@ def _load(args, lora=None):
 
 def _ranks(args) -> Control | None:
     """--tensor-parallel: the ranks' control channel (notebook 20); only rank 0 writes to stdout."""
-    if not args.tensor_parallel:
+    if args.tensor_parallel is None:
         return None
     control = Control()
     if control.rank:

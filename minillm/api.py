@@ -167,6 +167,9 @@ def _check_options(quantize: str | None, group_size: int, fast: bool, compile: b
     if fast and quantize == "gguf":
         raise ValueError("fast=True rebuilds the layers from float weights and cannot keep GGUF blocks; "
                          "use quantize='int4' (the same 4-bit grid as Q4_0/Q4_1 at group_size 32)")
+    if tensor_parallel is not None and (isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int)
+                                        or tensor_parallel < 1):
+        raise ValueError(f"tensor_parallel must be an int >= 1 (the number of ranks), got {tensor_parallel!r}")
     if tensor_parallel is not None and (quantize or fast or lora is not None):
         raise ValueError("tensor_parallel splits the float model's own linears: drop quantize, fast and lora")
     if lora is not None and quantize == "gguf":

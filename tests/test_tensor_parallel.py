@@ -18,6 +18,7 @@ import torch
 from conftest import DATA, TINY
 from safetensors.torch import load_file
 
+from minillm.__main__ import main
 from minillm.embedded import embedded_gguf_path
 from minillm.generate import generate
 from minillm.gguf_file import read_gguf
@@ -202,3 +203,15 @@ def test_server_under_torchrun_answers_as_offline_generation(smollm2):
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor-parallel", "0"], "tensor_parallel must be an int >= 1"),
+    (["--tensor-parallel", "2", "--quantize", "int4"], "drop quantize, fast and lora"),
+    (["--tensor-parallel", "2", "--speculative", "ngram"], "not with --tensor-parallel"),
+    (["--tensor-parallel", "2"], "launch with `torchrun --nproc-per-node 2 -m minillm"),  # WORLD_SIZE not set
+])
+def test_bad_tensor_parallel_flags_are_named(flags, message, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["generate", "hi", *flags]) == 2
+    assert message in capsys.readouterr().err
