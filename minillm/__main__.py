@@ -128,6 +128,8 @@ def lora_specs(args) -> dict[str, str]:
         specs[name] = path
     if specs and (args.fast or args.quantize):
         raise ValueError("--lora serves adapters beside the float model's linears: drop --fast and --quantize")
+    if specs and args.tensor_parallel is not None:
+        raise ValueError("--lora serves adapters beside the whole model's linears: not with --tensor-parallel")
     return specs
 
 

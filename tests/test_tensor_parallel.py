@@ -215,3 +215,8 @@ def test_bad_tensor_parallel_flags_are_named(flags, message, capsys, monkeypatch
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["generate", "hi", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_lora_adapters_with_tensor_parallel(capsys):
+    assert main(["serve", "--lora", "a=x", "--tensor-parallel", "2"]) == 2
+    assert "not with --tensor-parallel" in capsys.readouterr().err
