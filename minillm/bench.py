@@ -29,12 +29,14 @@ How things are measured:
   exactly 1 new token; prefill tok/s = prompt tokens / that time.
 - decode (batch 1): (tokens - 1) / (t(tokens) - t(1 token)) on the same prompt, for both sides,
   so both include their own loop overhead; greedy agreement = leading tokens equal to transformers'.
+  With --peers llama.cpp, llama-cpp-python on the same GGUF is timed the same way (bench_peers).
 - memory: weight bytes (parameters, buffers and tensor attributes, shared storage counted once),
   transformers' get_memory_footprint(), and the process peak RSS at the end.
 - ceiling: the time of F.linear with x (1, K) over every weight shape of the model (q, k, v, o,
   gate, up, down of each layer, distinct tensors, and the lm head) in the model dtype, and through
   quant.Int4Linear (group --group-size) / Int8Linear; as tokens/s. Each decode variant's tok/s is
-  given as a fraction of its ceiling (dtype variants: the dtype's, int8: int8's, int4: int4's).
+  given as a fraction of its ceiling (dtype variants: the dtype's, int8: int8's, int4: int4's); a
+  fraction over 1.05 is not reported: the ceiling did not bound that variant (see "skipped").
 - engine: the continuous-batching engine (readable and fast) against transformers' left-padded
   batch generate, useful generated tokens/s at each --requests count.
 - paged: minillm/bench_paged.py (its docstring): one engine decode step of 16 sequences at 256,
@@ -49,7 +51,7 @@ How things are measured:
   padded generate; throughput, time to first token and inter-token latency, goodput.
 
 JSON schema (--json prints it, --out FILE writes it too):
-    {"machine": {"cpu", "cores", "platform"}, "model", "dtype", "threads", "torch", "transformers",
+    {"machine": {"cpu", "cores", "simd", "torch_kernels", "platform"}, "model", "dtype", "threads", "torch", "transformers",
      "args": {...the flags...}, "skipped": {variant: reason},
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
@@ -78,8 +80,6 @@ import copy
 import gc
 import json
 import math
-import os
-import platform
 import random
 import sys
 import time
@@ -93,6 +93,7 @@ from minillm.api import load_tokenizer
 from minillm.bench_engine import engine_rows
 from minillm.bench_lora import lora_rows
 from minillm.bench_paged import paged_rows
+from minillm.bench_peers import llamacpp_runner, machine, transformers_runner
 from minillm.bench_serve import add_serve_flags, serve_rows
 from minillm.bench_speculative import speculative_rows
 from minillm.bench_tp import tp_rows
@@ -101,7 +102,7 @@ from minillm.embedded import embedded_gguf_path
 from minillm.fast import FastCausalLM
 from minillm.generate import generate
 from minillm.quant import quantize_model
-from minillm.roofline import ceilings, weight_mib
+from minillm.roofline import ceiling_fraction, ceilings, weight_mib
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -206,17 +207,6 @@ def minillm_runner(model, tokenizer):
     return run
 
 
-def transformers_runner(hf):
-    def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
-        ids = torch.tensor([prompt])
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
-        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
-    return run
-
-
 def measure(run, prompts: dict[int, list[int]], tokens: int | None, repeats: int) -> dict:
     """{"ttft_s": {L: best seconds for 1 token}, "decode_tok_s", "decode_ids"} for one side.
 
@@ -277,6 +267,7 @@ def run_benchmark(args) -> dict:
         if what == "all":
             row("memory", "transformers", "transformers footprint", "MiB", None,
                 sides.hf.get_memory_footprint() / 2**20)
+        decoded = {}  # variant: decode tok/s, for the peers' rows
         for variant in args.variants:
             t0 = time.perf_counter()
             try:
@@ -291,9 +282,9 @@ def run_benchmark(args) -> dict:
                     theirs["ttft_s"][L] * 1e3, n=L)
                 row("prefill", variant, "prefill", "tok/s", L / ours["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
             if tokens:
-                c = ceiling.get(ceiling_key(variant, dtype))
+                c, decoded[variant] = ceiling.get(ceiling_key(variant, dtype)), ours["decode_tok_s"]
                 row("decode", variant, "decode", "tok/s", ours["decode_tok_s"], theirs["decode_tok_s"], n=tokens,
-                    fraction=ours["decode_tok_s"] / c["tok_s"] if c else None)
+                    fraction=ceiling_fraction(ours["decode_tok_s"], c, variant, skipped))
                 agree = next((i for i, (a, b) in enumerate(zip(ours["decode_ids"], theirs["decode_ids"])) if a != b),
                              min(len(ours["decode_ids"]), len(theirs["decode_ids"])))
                 row("decode", variant, "greedy agreement", "tokens", agree, len(theirs["decode_ids"]), n=tokens)
@@ -301,6 +292,8 @@ def run_benchmark(args) -> dict:
                 row("memory", variant, "weight memory", "MiB", weight_mib(model), hf_mib)
             del model, ours
             gc.collect()
+        if tokens and "llama.cpp" in args.peers:
+            llamacpp_rows(sides, args, row, skipped, prompts[min(prompts)], theirs, decoded)
     if what in ("all", "engine"):
         engine_rows(sides, args, row)
     if what in ("all", "paged"):
@@ -321,16 +314,20 @@ def run_benchmark(args) -> dict:
             "peak_rss_mib": peak_memory_mib(torch.device("cpu")), "rows": rows}
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
+def llamacpp_rows(sides, args, row, skipped: dict, prompt: list[int], theirs: dict, decoded: dict) -> None:
+    """decode --peers llama.cpp: llama-cpp-python on the same GGUF, timed as the other sides are."""
+    if sides.source.suffix != ".gguf":
+        skipped["decode: llama.cpp"] = f"skipped: llama.cpp runs a .gguf file; the model is {sides.source}"
+        return
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+        run = llamacpp_runner(sides.source, torch.get_num_threads(), len(prompt) + args.tokens + 8)
+    except ImportError as e:
+        skipped["decode: llama.cpp"] = f"skipped: {e}"
+        return
+    peer = measure(run, {len(prompt): prompt}, args.tokens, args.repeats)["decode_tok_s"]
+    row("decode", "llama.cpp (same GGUF)", "decode", "tok/s", peer, theirs["decode_tok_s"], n=args.tokens)
+    for variant, tok_s in decoded.items():
+        row("decode", variant, "decode vs llama.cpp", "tok/s", tok_s, peer, n=args.tokens)
 
 
 def transformers_version() -> str:
@@ -398,6 +395,8 @@ def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
         help="engine: concurrent requests (default 16 64)")
     add("--repeats", type=positive("--repeats"), default=d(2), help="best of this many runs (default 2)")
     add("--group-size", type=positive("--group-size"), default=d(32), help="int4 group size (default 32)")
+    add("--peers", nargs="+", choices=["llama.cpp"], default=d([]),
+        help="decode: also time llama.cpp on the same GGUF (llama-cpp-python, an optional extra; see bench_peers)")
     add_serve_flags(add, d, positive)
 
 

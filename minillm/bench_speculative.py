@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from minillm.bench_peers import transformers_runner
 from minillm.fast import FastCausalLM
 from minillm.generate import generate
 from minillm.speculative import ModelDrafter, NgramDrafter, SpeculationStats, int4_drafter, stream
@@ -58,15 +59,8 @@ def _minillm(model, tokenizer, ids, tokens, drafter=None, target=None):
 
 
 def _transformers(hf, ids, tokens, **extra):
-    def run():
-        x = torch.tensor([ids])
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=tokens,
-                              min_new_tokens=tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-                              pad_token_id=0, **extra)
-        return time.perf_counter() - t0, out[0, len(ids):].tolist(), None
-    return run
+    run = transformers_runner(hf, **extra)
+    return lambda: (*run(ids, tokens), None)
 
 
 def speculative_rows(sides, args, row, skipped: dict) -> None:

@@ -17,6 +17,23 @@ from torch import nn
 from minillm.quant import Int4Linear, Int8Linear
 
 
+CEILING_SLACK = 1.05  # a decode loop may pass its ceiling by timing noise, not more
+
+
+def ceiling_fraction(tok_s: float, ceiling: dict | None, variant: str, skipped: dict) -> float | None:
+    """tok_s as a fraction of its ceiling; None where it passed the ceiling by more than noise (the
+    reason goes into `skipped`): such a ceiling did not bound the variant, so it measured something else."""
+    if not ceiling:
+        return None
+    fraction = tok_s / ceiling["tok_s"]
+    if fraction > CEILING_SLACK:
+        skipped[f"ceiling of {variant}"] = (f"invalid ceiling: {variant} decoded at {fraction:.0%} of it, which a "
+                                            "ceiling forbids; it measured something else (per-call overhead, weights "
+                                            "resident in cache, too few repeats)")
+        return None
+    return fraction
+
+
 def weight_mib(module: nn.Module) -> float:
     """Parameters, buffers and tensor attributes of every submodule, each storage counted once."""
     seen, total = set(), 0

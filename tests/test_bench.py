@@ -4,16 +4,18 @@ No timing asserts beyond positivity: speed is the benchmark's output, not a test
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 
 import pytest
 
-from minillm import bench, bench_serve, roofline
+from minillm import bench, bench_peers, bench_serve, roofline
 from minillm.bench_speculative import TASKS
 
 QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1",
-         "--rate", "20", "--prefill-chunk", "16"]
+         "--rate", "20", "--prefill-chunk", "16", "--peers", "llama.cpp"]
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +281,28 @@ def test_tp_section(result):
     get = lambda metric: next(r for r in tp if r["metric"] == metric)["minillm"]
     assert get("decode step") > 0 and 0 < get("collectives alone, per token") and 0 < get("in collectives during a step")
     assert 0 < get("collectives' share of the step") <= 100  # of the profiled steps' own time
+
+
+def test_llamacpp_peer_needs_a_gguf_and_names_its_install(result, monkeypatch):
+    """--peers llama.cpp on the tiny fixture (a folder) is skipped with the reason; without llama-cpp-python
+    the runner's error says how to install it."""
+    assert "llama.cpp runs a .gguf file" in result["skipped"]["decode: llama.cpp"]
+    assert not rows(result, section="decode", metric="decode vs llama.cpp")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install llama-cpp-python"):
+        bench_peers.llamacpp_runner(Path("model.gguf"), 2, 64)
+
+
+def test_a_ceiling_that_does_not_bound_a_variant_is_refused():
+    skipped = {}
+    assert roofline.ceiling_fraction(90.0, {"tok_s": 100.0}, "fast", skipped) == pytest.approx(0.9)
+    assert roofline.ceiling_fraction(104.0, {"tok_s": 100.0}, "fast", skipped) == pytest.approx(1.04)  # noise
+    assert roofline.ceiling_fraction(120.0, {"tok_s": 100.0}, "fast-int4", skipped) is None
+    assert list(skipped) == ["ceiling of fast-int4"]
+    assert "invalid ceiling: fast-int4 decoded at 120% of it" in skipped["ceiling of fast-int4"]
+    assert roofline.ceiling_fraction(50.0, None, "readable", skipped) is None
+
+
+def test_machine_records_the_simd_flags():
+    m = bench_peers.machine()
+    assert m["cores"] >= 1 and m["torch_kernels"] and isinstance(m["simd"], list)

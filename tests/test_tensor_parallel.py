@@ -45,9 +45,9 @@ def launch(task: str, world: int, out: Path, timeout: float = 240, **env) -> lis
     try:
         ranks[0].wait(timeout=timeout)
     finally:
-        for p in ranks[1:]:
+        for p in ranks[1:]:  # done with rank 0 or soon after it; a rank told to hang is ended here
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
     assert ranks[0].returncode == 0, ranks[0].stderr.read()[-3000:]
