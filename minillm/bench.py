@@ -93,7 +93,7 @@ from minillm.api import load_tokenizer
 from minillm.bench_engine import engine_rows
 from minillm.bench_lora import lora_rows
 from minillm.bench_paged import paged_rows
-from minillm.bench_peers import llamacpp_runner, machine, transformers_runner
+from minillm.bench_peers import compile_cache_per_kernels, llamacpp_runner, machine, transformers_runner
 from minillm.bench_serve import add_serve_flags, serve_rows
 from minillm.bench_speculative import speculative_rows
 from minillm.bench_tp import tp_rows
@@ -228,6 +228,7 @@ def run_benchmark(args) -> dict:
     """Everything the subcommand asks for, as the JSON object described in the module docstring."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    compile_cache_per_kernels()
     torch.manual_seed(0)
     what, rows, skipped = args.what, [], {}
 

@@ -14,9 +14,11 @@ the same way: decode tok/s = (n - 1) / (t(n) - t(1)).
 
 from __future__ import annotations
 
+import getpass
 import os
 import platform
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,11 +45,12 @@ def transformers_runner(hf, **generate_kwargs):
 def llamacpp_runner(gguf: Path, threads: int, context: int):
     """llama.cpp's greedy decoding of exactly n tokens on `gguf`; ImportError (naming the install) if absent."""
     try:  # imported on use: an optional peer, not a requirement
-        from llama_cpp import Llama
+        from llama_cpp import Llama, llama_get_logits
     except ImportError as e:
         raise ImportError(f"llama-cpp-python is not installed ({e}): {LLAMA_CPP_INSTALL}") from None
     llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=context,
                 logits_all=False, verbose=False)
+    vocab = llm.n_vocab()
 
     def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
         t0 = time.perf_counter()
@@ -55,11 +58,23 @@ def llamacpp_runner(gguf: Path, threads: int, context: int):
         llm.eval(prompt)
         out = []
         while True:
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))  # the last position's logits
+            logits = np.ctypeslib.as_array(llama_get_logits(llm.ctx), shape=(vocab,))  # the last position's
+            out.append(int(np.argmax(logits)))
             if len(out) == n:
                 return time.perf_counter() - t0, out
             llm.eval(out[-1:])
     return run
+
+
+def compile_cache_per_kernels() -> None:
+    """One torch.compile cache per CPU kernel set (AVX512, AVX2, ...), unless the user chose one with
+    TORCHINDUCTOR_CACHE_DIR: torch 2.13 reuses kernels compiled under one ATEN_CPU_CAPABILITY under
+    another, and they then return NaN (seen: a cache filled with AVX512 kernels, read with
+    ATEN_CPU_CAPABILITY=avx2). Call it before the first compile. Importing minillm already sets the
+    variable to torch's default (inductor writes it on import), so that value counts as unset."""
+    default = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
 def machine() -> dict:

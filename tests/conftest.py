@@ -5,16 +5,15 @@ Tests import the paths and the helper with `from conftest import DATA, greedy_by
 
 from __future__ import annotations
 
-import getpass
 import os
 import platform
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from minillm.bench_peers import compile_cache_per_kernels
 from minillm.embedded import embedded_gguf_path
 from minillm.tokenizer import Tokenizer
 from minillm.weights import from_gguf
@@ -45,13 +44,9 @@ def cpu_summary() -> str:
 
 
 def pytest_configure(config) -> None:
-    """One torch.compile cache per CPU kernel set (AVX512, AVX2, ...), for this process, the CLI
-    subprocesses and the notebook kernels alike. torch 2.13 reuses kernels compiled under one
-    ATEN_CPU_CAPABILITY under another, and they then return NaN (seen: a cache filled with AVX512
-    kernels, read with ATEN_CPU_CAPABILITY=avx2)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        kernels = torch.backends.cpu.get_cpu_capability().lower()
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{kernels}")
+    """One torch.compile cache per CPU kernel set, for this process, the CLI subprocesses and the
+    notebook kernels alike (compile_cache_per_kernels says why)."""
+    compile_cache_per_kernels()
 
 
 @pytest.fixture(scope="session")
