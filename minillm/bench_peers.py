@@ -7,9 +7,8 @@ the same way: decode tok/s = (n - 1) / (t(n) - t(1)).
 - transformers: its public greedy `generate` (also with prompt lookup, for the speculative section).
 - llama.cpp: llama-cpp-python on the same GGUF file, the same threads, its own greedy argmax over the
   logits it returns. An optional extra: `pip install llama-cpp-python` builds llama.cpp from source
-  (about 10 minutes on 2 cores); on a CPU that advertises AMX but forbids it, build with
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON". Absent, its rows are
-  listed under "skipped" with the reason.
+  (4-10 minutes on 2 cores; LLAMA_CPP_INSTALL says how to build it where AMX is advertised but
+  forbidden). Absent, its rows are listed under "skipped" with the reason.
 """
 
 from __future__ import annotations
@@ -25,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-LLAMA_CPP_INSTALL = ('pip install llama-cpp-python (builds llama.cpp, about 10 minutes; where AMX is advertised but '
-                     'forbidden: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON")')
+LLAMA_CPP_INSTALL = ('pip install llama-cpp-python (builds llama.cpp, 4-10 minutes; where AMX is advertised but '
+                     'forbidden, the native build crashes: set CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON '
+                     '-DGGML_FMA=ON -DGGML_F16C=ON", plus -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON on AVX-512 CPUs)')
 
 
 def transformers_runner(hf, **generate_kwargs):
