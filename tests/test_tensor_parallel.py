@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import DATA, TINY
 from safetensors.torch import load_file
+from tp_worker import engine_prompts  # the prompts the ranks run
 
 from minillm.__main__ import main
 from minillm.embedded import embedded_gguf_path
@@ -29,19 +30,21 @@ from minillm.weights import gguf_config
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
-sys.path.insert(0, str(WORKER.parent))
-from tp_worker import engine_prompts  # noqa: E402  (the same prompts as the ranks)
 
 
-def launch(task: str, world: int, out: Path, timeout: float = 240, **env) -> list[subprocess.Popen]:
-    """Start `world` ranks of tests/tp_worker.py with the variables torchrun sets; wait for rank 0."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+        return s.getsockname()[1]
+
+
+def launch(task: str, world: int, out: Path, timeout: float = 240, **env) -> None:
+    """Start `world` ranks of tests/tp_worker.py with the variables torchrun sets; wait for rank 0."""
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
             "OMP_NUM_THREADS": "1", **env}
-    ranks = [subprocess.Popen([sys.executable, str(WORKER), task, str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    logs = [out.with_name(f"rank{r}.log") for r in range(world)]  # files, not pipes: a full pipe would block a rank
+    ranks = [subprocess.Popen([sys.executable, str(WORKER), task, str(out)], cwd=ROOT, stderr=log.open("w"),
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r, log in enumerate(logs)]
     try:
         ranks[0].wait(timeout=timeout)
     finally:
@@ -50,8 +53,7 @@ def launch(task: str, world: int, out: Path, timeout: float = 240, **env) -> lis
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
-    assert ranks[0].returncode == 0, ranks[0].stderr.read()[-3000:]
-    return ranks
+    assert ranks[0].returncode == 0, logs[0].read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -162,20 +164,18 @@ def test_cli_chat_under_torchrun_answers_as_one_process(smollm2):
         assert f"assistant> {answer}\n" in done.stdout
 
 
-def test_server_under_torchrun_answers_as_offline_generation(smollm2):
-    """A TP 3 server: concurrent requests (n = 2, streamed, a bad one) equal offline greedy generation."""
+def test_server_under_torchrun_answers_as_offline_generation(smollm2, tmp_path):
+    """A TP 3 server: three concurrent requests of n = 2, beside a bad one, equal offline greedy generation."""
     model, tok = smollm2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(torchrun(3, "serve", "--tensor-parallel", "3", "--port", str(port), "--access-log", "off"),
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(log := tmp_path / "server.log").open("w"),
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-3000:] if server.poll() is not None else "no server"
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
