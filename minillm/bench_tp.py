@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from minillm.devices import synchronized_time
 from minillm.kv_cache import make_cache
 from minillm.model import ModelConfig
+from minillm.roofline import weight_mib
 from minillm.tensor_parallel import Split, all_gather_last, all_reduce, empty_shard, init_tensor_parallel
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -83,7 +84,7 @@ def rank_main(shape: str, tokens: int, out: str) -> None:
         watched_ms = (synchronized_time(device) - start) * 1e3 / tokens  # a mean, as inside_ms: the share <= 1
     inside_ms = sum(e.cpu_time_total for e in prof.key_averages() if e.key.startswith(("gloo:", "nccl:"))) / 1e3 / tokens
     if rank == 0:
-        mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        mib = weight_mib(model)  # the benchmark's one rule for weight bytes
         Path(out).write_text(json.dumps({"world": world, "threads": torch.get_num_threads(), "step_ms": step_ms,
                                          "comm_ms": comm_ms, "inside_ms": inside_ms, "watched_step_ms": watched_ms,
                                          "weights_mib": mib}))
