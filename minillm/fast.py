@@ -110,7 +110,8 @@ class FastLayer(nn.Module):
         self.gate_up_proj = q(fuse_linears(mlp.gate_proj, mlp.up_proj), "gate_up_proj")  # h -> 2 I
         self.down_proj = q(mlp.down_proj, "down_proj")
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, pos: int) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, pos: int,
+                causal: bool) -> Tensor:
         B, T, h = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         qkv = self.qkv_proj(F.rms_norm(x, (h,), self.input_norm, self.eps))  # (B, T, (H + 2 Hkv) D)
@@ -127,7 +128,7 @@ class FastLayer(nn.Module):
         else:
             k, v = (k, v) if cache is None else cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
             # no mask: no padding, so decode sees every key and a fresh prompt is plainly causal
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  enable_gqa=True)  # (B, H, T, D)
         x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, h)
         gate, up = self.gate_up_proj(F.rms_norm(x, (h,), self.post_norm, self.eps)).split(self.intermediate_size, -1)
@@ -171,9 +172,10 @@ class FastCausalLM(nn.Module):
         self._layers = torch.compile(self._run_layers, dynamic=True, **kwargs)
         return self
 
-    def _run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, start_pos: int) -> Tensor:
+    def _run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, start_pos: int,
+                    causal: bool) -> Tensor:
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)
+            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos, causal)
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)  # (B, T, h)
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -183,5 +185,8 @@ class FastCausalLM(nn.Module):
         B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         cos, sin = rope_rows(self.cos, self.sin, positions, attention_mask, start_pos, T, S)
         mask = fast_mask(T, S, start_pos, attention_mask, input_ids.device)
-        x = self._layers(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos)  # (B, T, h)
+        # causal as a plain bool, decided here: computed inside the compiled layers from a dynamic T it
+        # would be symbolic, which SDPA refuses, and torch.compile would split the graph at every layer
+        causal = mask is None and T > 1
+        x = self._layers(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos, causal)  # (B, T, h)
         return self.lm_head(keep_columns(x, logits_to_keep))  # (B, T or n, V)
