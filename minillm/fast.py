@@ -111,8 +111,7 @@ class FastLayer(nn.Module):
         self.gate_up_proj = q(fuse_linears(mlp.gate_proj, mlp.up_proj), "gate_up_proj")  # h -> 2 I
         self.down_proj = q(mlp.down_proj, "down_proj")
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, pos: int,
-                causal: bool) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, pos: int, causal: bool) -> Tensor:
         B, T, h = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         qkv = self.qkv_proj(F.rms_norm(x, (h,), self.input_norm, self.eps))  # (B, T, (H + 2 Hkv) D)
@@ -186,8 +185,6 @@ class FastCausalLM(nn.Module):
         B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         cos, sin = rope_rows(self.cos, self.sin, positions, attention_mask, start_pos, T, S)
         mask = fast_mask(T, S, start_pos, attention_mask, input_ids.device)
-        # causal as a plain bool, decided here: computed inside the compiled layers from a dynamic T it
-        # would be symbolic, which SDPA refuses, and torch.compile would split the graph at every layer
-        causal = mask is None and T > 1
+        causal = mask is None and T > 1  # a plain bool here: in torch.compile a SymBool (a graph break per layer)
         x = self._layers(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos, causal)  # (B, T, h)
         return self.lm_head(keep_columns(x, logits_to_keep))  # (B, T or n, V)
