@@ -279,7 +279,8 @@ def run_benchmark(args) -> dict:
                     theirs["ttft_s"][L] * 1e3, n=L)
                 row("prefill", variant, "prefill", "tok/s", L / ours["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
             if tokens:
-                c, decoded[variant] = own_ceiling(model, args.repeats * 2, variant.endswith("-compiled")), ours["decode_tok_s"]
+                c = own_ceiling(model, args.repeats * 2, compiled=variant.endswith("-compiled"))
+                decoded[variant] = ours["decode_tok_s"]
                 row("decode", variant, "decode", "tok/s", ours["decode_tok_s"], theirs["decode_tok_s"], n=tokens,
                     fraction=ceiling_fraction(ours["decode_tok_s"], c, variant, skipped))
                 agree = next((i for i, (a, b) in enumerate(zip(ours["decode_ids"], theirs["decode_ids"])) if a != b),

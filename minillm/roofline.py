@@ -57,16 +57,19 @@ def weight_shapes(config) -> list[tuple[int, int]]:
     return layer * config.num_hidden_layers + [(config.vocab_size, h)]
 
 
-def matvec_seconds(layers, x_by_k: dict, repeats: int) -> float:
-    """Best of `repeats` passes of one (1, K) matrix-vector product through every layer."""
+def matvec_seconds(layers, x_by_k: dict, repeats: int, compiled: bool = False) -> float:
+    """Best of `repeats` passes of one (1, K) matrix-vector product through every layer, after one untimed
+    pass; compiled: the pass as one torch.compile graph (outputs returned, so none is dropped as dead code)."""
+    def one_pass() -> list:
+        return [layer(x_by_k[layer.in_features]) for layer in layers]
+
+    run = torch.compile(one_pass) if compiled else one_pass
     with torch.no_grad():
-        for layer in layers[:8]:
-            layer(x_by_k[layer.in_features])  # warm-up
+        run()  # warm-up (and compiling)
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for layer in layers:
-                layer(x_by_k[layer.in_features])
+            run()
             best = min(best, time.perf_counter() - t0)
     return best
 
@@ -91,19 +94,8 @@ def own_ceiling(model: nn.Module, repeats: int, compiled: bool = False) -> dict:
     layers = own_linears(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     x_by_k = {k: torch.randn(1, k, dtype=dtype) for k in {layer.in_features for layer in layers}}
-
-    def one_pass() -> list:  # every product once, returned so that a compiler drops none as dead code
-        return [layer(x_by_k[layer.in_features]) for layer in layers]
-
-    run = torch.compile(one_pass) if compiled else one_pass
-    with torch.no_grad():
-        run()  # warm-up (and compiling)
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t0)
-    return {"seconds": best, "tok_s": 1 / best}
+    seconds = matvec_seconds(layers, x_by_k, repeats, compiled)
+    return {"seconds": seconds, "tok_s": 1 / seconds}
 
 
 def ceilings(config, dtype: torch.dtype, group_size: int, repeats: int, skipped: dict) -> dict:
