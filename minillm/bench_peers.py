@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minillm.cpu_kernel import cpu_flags
+
 LLAMA_CPP_INSTALL = ('pip install llama-cpp-python (builds llama.cpp, 4-10 minutes; where AMX is advertised but '
                      'forbidden, the native build crashes: set CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON '
                      '-DGGML_FMA=ON -DGGML_F16C=ON", plus -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON on AVX-512 CPUs)')
@@ -79,13 +81,9 @@ def compile_cache_per_kernels() -> None:
 
 def machine() -> dict:
     """The CPU's model, its cores, its SIMD flags (avx*, amx*, fma, f16c) and the platform."""
-    cpu, flags = platform.processor() or platform.machine(), []
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        text = info.read_text()
-        if m := re.search(r"^model name\s*:\s*(.+)$", text, re.M):
-            cpu = m.group(1).strip()
-        if m := re.search(r"^flags\s*:\s*(.+)$", text, re.M):
-            flags = sorted(f for f in m.group(1).split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+    cpu, info = platform.processor() or platform.machine(), Path("/proc/cpuinfo")
+    if info.exists() and (m := re.search(r"^model name\s*:\s*(.+)$", info.read_text(), re.M)):
+        cpu = m.group(1).strip()
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
     return {"cpu": cpu, "cores": os.cpu_count(), "simd": flags, "torch_kernels": torch.backends.cpu.get_cpu_capability(),
             "platform": platform.platform()}
