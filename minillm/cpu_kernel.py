@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.cpu_kernel_cpp import KERNEL_CPP  # the C++ source, written below step by step
-from minillm.quant import Int8Linear, _bias, _check_input, int8_table, quantize_int4, quantize_int8, quantize_linear
+from minillm.quant import (Int8Linear, _bias, _check_input, dequantize_int8, int8_table, quantize_int4,
+                           quantize_linear)
 
 BLOCK = 32  # values per activation block and per weight block, as in ggml's q8_1 / q4_1
 
@@ -191,7 +192,7 @@ class Int8DotLinear(DotLinear):
     def products(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, N)
         if x.shape[0] <= MATVEC_ROWS:
             return torch.ops.minillm_cpu.int8_matvec(x, self.qweight, self.scales)
-        return F.linear(x, self.qweight.float() * self.scales[:, None])
+        return F.linear(x, dequantize_int8(self.qweight, self.scales))  # notebook 13's float table
 
 
 def use_dot8(kernel: str, mode: str | None, device: torch.device | str) -> bool:
@@ -212,7 +213,7 @@ def fast_quantized_linear(linear: nn.Linear, mode: str | None, group_size: int, 
         return quantize_linear(linear, mode, group_size, name, "auto" if kernel == "dot8" else kernel)
     if mode == "int4":
         return Int4DotLinear.from_linear(linear, group_size, name)
-    return Int8DotLinear(Int8Linear(*quantize_int8(linear.weight, name), linear.bias))
+    return Int8DotLinear(Int8Linear.from_linear(linear, name=name))
 
 
 def fast_int8_table(weight: torch.Tensor, kernel: str) -> tuple[nn.Module, nn.Module]:

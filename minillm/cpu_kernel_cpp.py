@@ -56,6 +56,12 @@ static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 #endif
 }
 
+// a group's header in the interleaved int4 layout: 4 scales d, then 4 mins m, float16 -> float32 (F16C)
+static inline void group_scales(const uint8_t* group, float* d, float* m) {
+  _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)group)));
+  _mm_storeu_ps(m, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(group + 8))));
+}
+
 static inline float sum_lanes(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -75,9 +81,8 @@ static void int4_four_rows(const uint8_t* rows, int64_t K, int64_t G, const int8
   float mins[4] = {0.f, 0.f, 0.f, 0.f};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* group = rows + g * group_bytes;
-    float d[4], m[4];  // float16 -> float32 (F16C)
-    _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)group)));
-    _mm_storeu_ps(m, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(group + 8))));
+    float d[4], m[4];
+    group_scales(group, d, m);
     for (int64_t k = 0; k < per_group; ++k) {
       const int64_t b = g * per_group + k;  // the block's index in the activation row
       const uint8_t* nibbles = group + 16 + k * 64;
@@ -191,8 +196,7 @@ at::Tensor int4_dequantize(const at::Tensor& packed, int64_t N, int64_t K, int64
     for (int64_t t = t0; t < t1; ++t) {  // group t % G of rows 4 (t / G) ..
       const uint8_t* group = src + t * group_bytes;
       float d[4], m[4];
-      _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)group)));
-      _mm_storeu_ps(m, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(group + 8))));
+      group_scales(group, d, m);
       for (int64_t r = 0; r < 4 && t / G * 4 + r < N; ++r)
         for (int64_t k = 0; k < per_group; ++k) {
           const uint8_t* nibbles = group + 16 + k * 64 + r * 16;

@@ -45,10 +45,11 @@ def test_emulation_is_the_float_product_up_to_int8_activations():
     x = torch.randn(4, 512, generator=gen)
     qx, dx, _ = ck.quantize_activations(x)
     x8 = (qx.float().reshape(4, -1, 32) * dx[..., None]).reshape(4, 512)  # the int8 activations, as float
-    w16 = q.float() * s.half().float().repeat_interleave(32, 1) + (z - 8 * s).half().float().repeat_interleave(32, 1)
-    torch.testing.assert_close(ck.int4_dot8_reference(x, q, s, z), x8.double() @ w16.double().T,
+    d16, m16 = (t.half().float().repeat_interleave(32, 1) for t in (s, z - 8 * s))  # the float16 d, m per value
+    emulated, float_product = ck.int4_dot8_reference(x, q, s, z), x @ dequantize_int4(q, s, z).T
+    torch.testing.assert_close(emulated, x8.double() @ (q.float() * d16 + m16).double().T,
                                rtol=0, atol=1e-4, check_dtype=False)
-    rel = (ck.int4_dot8_reference(x, q, s, z) - x @ dequantize_int4(q, s, z).T).norm() / (x @ dequantize_int4(q, s, z).T).norm()
+    rel = (emulated - float_product).norm() / float_product.norm()
     assert 1e-4 < rel < 0.02  # the activations' rounding: there, and small
 
 
