@@ -1,17 +1,20 @@
 # Generated from notebooks/15_performance.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""int4 and int8 matrix-vector products on int8 activations, llama.cpp's way, in a small C++ kernel.
+"""int4 and int8 matrix products on int8 activations, llama.cpp's way, in a small C++ kernel.
 
 Built in notebooks/15_performance.ipynb ("An int4 kernel of our own"). The activations are quantized
 to int8 per block of 32, so the inner loop is an integer dot product of 32 weight nibbles with 32
 int8 values; per block, y += d * dx * dot(q, qx) + m * dx * sum(qx) for weights w = d * q + m.
+The int4 weights lie in tiles of 16 rows, one vector lane per row, so that one loop serves a decode
+step and a prompt (several activation rows per weight load).
 The C++ (minillm/cpu_kernel_cpp.py) is compiled on first use for torch's instruction set (AVX2 or AVX-512 VNNI)
 and registered as torch ops, which torch.compile can call; where it cannot be built, the fast path
 keeps torch's packed kernels and says why once.
 
 Shape legend: N output features, K input features, M rows of activations, G groups per row.
 
-References: ggml-quants.c (block_q4_1, block_q8_1, ggml_vec_dot_q4_1_q8_1); Intel's intrinsics
+References: ggml-quants.c (block_q4_1, block_q8_1, ggml_vec_dot_q4_1_q8_1) and ggml-cpu's repacked
+kernels (repack.cpp); Intel's intrinsics
 guide (_mm256_maddubs_epi16, _mm256_dpbusd_epi32); PyTorch's custom C++ ops tutorial.
 """
 
@@ -57,23 +60,26 @@ def int4_dot8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, 
     return (dots.double() * d * dx.double()[:, None] + m * sx.double()[:, None]).sum(dim=-1).float()
 
 
-def pack_int4_rows(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """quantize_int4's (q, scales, zeros) -> the kernel's bytes, (ceil(N/4), G * (16 + 64 * g/32)) uint8.
+TILE = 16  # weight rows per tile: one 32-bit lane each of a 512-bit register (two 256-bit ones on AVX2)
 
-    Rows go in fours (N padded with zero rows). Per group: the 4 rows' scales d and mins m as
-    float16 (w = d * q + m; 0.625 bytes a weight in all, as ggml's Q4_1), then each block of 32
-    values as 4 x 16 bytes, value j in the low nibble of byte j and value j + 16 in its high
-    nibble (ggml's order: one shift and one mask unpack 16 values)."""
+
+def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """quantize_int4's (q, scales, zeros) -> the kernel's bytes, (ceil(N/16), G * (64 + 256 * g/32)) uint8.
+
+    Rows go in tiles of 16 (N padded with zero rows). Per group: the 16 rows' scales d, then their
+    mins m, as float16 (w = d * q + m; 0.625 bytes a weight in all, as ggml's Q4_1). Then each block
+    of 32 values as 4 chunks of 64 bytes: in chunk c, byte 4r + j holds row r's value 8c + j in its
+    low nibble and value 8c + 4 + j in its high nibble, so that a 32-bit lane holds one row."""
     (N, K), G = q.shape, scales.shape[1]
-    N4, per_group = -(-N // 4), K // BLOCK // G
-    pad = (0, 0, 0, 4 * N4 - N)  # zero rows up to a multiple of 4
-    q = F.pad(q, pad).reshape(N4, 4, G, per_group, 2, 16)  # (N4, 4, G, blocks, halves, 16)
-    nibbles = q[..., 0, :] | (q[..., 1, :] << 4)  # (N4, 4, G, blocks, 16): halves -> low, high
-    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(N4, G, per_group * 64)  # rows inside each block
-    d, m = F.pad(scales.float(), pad), F.pad((zeros - 8 * scales).float(), pad)  # (4 N4, G)
-    head = torch.stack([d, m], dim=-1).reshape(N4, 4, G, 2).permute(0, 2, 3, 1)  # (N4, G, [d, m], 4)
-    head = head.half().contiguous().view(torch.uint8).reshape(N4, G, 16)  # 8 float16 as bytes
-    return torch.cat([head, nibbles], dim=-1).reshape(N4, -1).contiguous()
+    tiles, per_group = -(-N // TILE), K // BLOCK // G
+    pad = (0, 0, 0, TILE * tiles - N)  # zero rows up to whole tiles
+    q = F.pad(q, pad).reshape(tiles, TILE, G, per_group, 4, 2, 4)  # (tiles, rows, G, blocks, chunks, low/high, 4)
+    nibbles = q[..., 0, :] | (q[..., 1, :] << 4)  # (tiles, rows, G, blocks, chunks, 4)
+    nibbles = nibbles.permute(0, 2, 3, 4, 1, 5).reshape(tiles, G, per_group * 256)  # a chunk: rows x 4 bytes
+    d, m = F.pad(scales.float(), pad), F.pad((zeros - 8 * scales).float(), pad)  # (16 tiles, G)
+    head = torch.stack([d, m]).reshape(2, tiles, TILE, G).permute(1, 3, 0, 2)  # (tiles, G, [d, m], 16)
+    head = head.half().contiguous().view(torch.uint8).reshape(tiles, G, 64)  # 32 float16 as bytes
+    return torch.cat([head, nibbles], dim=-1).reshape(tiles, -1).contiguous()
 
 
 def cpu_flags() -> set[str]:
@@ -99,9 +105,8 @@ def compiler_flags() -> list[str] | None:
 def _register_shapes() -> None:
     """What each op returns, for torch.compile's tracing (which runs no kernel)."""
     fake = torch.library.register_fake
-    fake("minillm_cpu::int4_matvec")(lambda x, packed, N, G: x.new_empty(x.shape[0], N))
+    fake("minillm_cpu::int4_matmul")(lambda x, packed, N, G: x.new_empty(x.shape[0], N))
     fake("minillm_cpu::int8_matvec")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
-    fake("minillm_cpu::int4_dequantize")(lambda packed, N, K, G: packed.new_empty(N, K, dtype=torch.float32))
 
 
 _BUILT: dict[str, str | None] = {}  # compiler flags -> None once loaded, else why it could not be
@@ -129,7 +134,7 @@ def build_kernel() -> str | None:
     return _BUILT[key]
 
 
-MATVEC_ROWS = 16  # up to this many activation rows the integer kernel runs; beyond, one float matmul
+MATVEC_ROWS = 16  # the int8 head's integer kernel runs up to this many rows; beyond, one float matmul
 
 
 class DotLinear(nn.Module):
@@ -151,8 +156,8 @@ class DotLinear(nn.Module):
 
 
 class Int4DotLinear(DotLinear):
-    """y = x @ W.T + bias, W int4 (w = d * q + m per group), x int8 per block of 32: llama.cpp's Q4_1 x Q8_1.
-    Up to MATVEC_ROWS rows run the C++ kernel; a prompt dequantizes W once into a float matmul."""
+    """y = x @ W.T + bias, W int4 (w = d * q + m per group), x int8 per block of 32: llama.cpp's Q4_1 x Q8_1,
+    on the C++ kernel for any number of rows, from one decode step to a whole prompt."""
 
     mode = "int4"
 
@@ -161,7 +166,7 @@ class Int4DotLinear(DotLinear):
         super().__init__()
         (N, K), G = qweight.shape, scales.shape[1]
         self.out_features, self.in_features, self.group_size = N, K, K // G
-        self.register_buffer("packed", pack_int4_rows(qweight, scales, zeros))  # (N/4, ...) uint8
+        self.register_buffer("packed", pack_int4_tiles(qweight, scales, zeros))  # (N/16, ...) uint8
         self.bias = _bias(bias)
 
     @classmethod
@@ -169,10 +174,8 @@ class Int4DotLinear(DotLinear):
         return cls(*quantize_int4(linear.weight, group_size, name), linear.bias)
 
     def products(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, N)
-        N, K, G = self.out_features, self.in_features, self.in_features // self.group_size
-        if x.shape[0] <= MATVEC_ROWS:
-            return torch.ops.minillm_cpu.int4_matvec(x, self.packed, N, G)
-        return F.linear(x, torch.ops.minillm_cpu.int4_dequantize(self.packed, N, K, G))  # one float matmul
+        G = self.in_features // self.group_size
+        return torch.ops.minillm_cpu.int4_matmul(x, self.packed, self.out_features, G)
 
 
 class Int8DotLinear(DotLinear):

@@ -3,7 +3,8 @@
 """The C++ source of minillm's CPU kernel, as strings: minillm/cpu_kernel.py compiles and loads it.
 
 Built step by step in notebooks/15_performance.ipynb ("An int4 kernel of our own"): int8
-activations, unpacking nibbles, integer dot products, four rows in flight, the torch ops.
+activations, one vector lane per weight row, integer dot products, several activation rows per
+weight load, the torch ops.
 """
 
 ACTIVATIONS_CPP = r"""
@@ -27,39 +28,124 @@ static void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float
 
 struct Quantized { at::Tensor qx, dx, sx; };  // (M, K) int8, (M, K/32) and (M, K/32) float
 
-static Quantized quantize_rows(const at::Tensor& x) {
+static Quantized quantize_rows(const at::Tensor& x) {  // a prompt's rows on torch's threads, 16 or more each
   const int64_t M = x.size(0), K = x.size(1);
   Quantized a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, K / 32}, x.options()),
               at::empty({M, K / 32}, x.options())};
-  for (int64_t i = 0; i < M; ++i)
-    quantize_row(x.data_ptr<float>() + i * K, K, a.qx.data_ptr<int8_t>() + i * K,
-                 a.dx.data_ptr<float>() + i * K / 32, a.sx.data_ptr<float>() + i * K / 32);
+  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_row(x.data_ptr<float>() + i * K, K, a.qx.data_ptr<int8_t>() + i * K,
+                   a.dx.data_ptr<float>() + i * K / 32, a.sx.data_ptr<float>() + i * K / 32);
+  });
   return a;
 }
 """
 
 
-SIMD_CPP = r"""
-// 16 bytes of nibbles -> 32 bytes 0..15: low nibbles (values 0..15) first, high nibbles (16..31) after
-static inline __m256i unpack_nibbles(const uint8_t* p) {
-  __m128i raw = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-}
-
-// 32 unsigned bytes times 32 signed bytes -> 8 int32 lanes, each the sum of 4 products
-static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);  // one VNNI instruction
+WIDE_CPP = r"""
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define WIDE 1  // 512-bit registers and VNNI
 #else
-  __m256i pairs = _mm256_maddubs_epi16(u, s);  // 16 int16 sums of 2 products (no overflow: 2*15*127)
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 int32 sums of 4
+#define WIDE 0  // 256-bit AVX2
 #endif
+
+#if WIDE
+constexpr int LANES = 16, TOKENS = 6;  // weight rows per vector (one int32 lane each); activation rows at once
+using ivec = __m512i;
+using fvec = __m512;
+static inline ivec load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+static inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+static inline ivec high_nibbles(ivec v) { return low_nibbles(_mm512_srli_epi16(v, 4)); }
+static inline ivec broadcast4(const int8_t* x) { int32_t v; std::memcpy(&v, x, 4); return _mm512_set1_epi32(v); }
+static inline fvec load_halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline fvec fset(float v) { return _mm512_set1_ps(v); }
+static inline fvec fmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+static inline fvec fmadd(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void fstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+
+// lane r: row r's 32 values of a block (w: 8 vectors, 4 values a lane) dotted with the block's 32 activations
+static inline fvec block_dot(const ivec w[8], const int8_t* x) {
+  ivec dots = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) dots = _mm512_dpbusd_epi32(dots, w[j], broadcast4(x + 4 * j));  // +4 products a lane
+  return _mm512_cvtepi32_ps(dots);
+}
+#endif
+"""
+
+
+NARROW_CPP = r"""
+#if !WIDE
+constexpr int LANES = 8, TOKENS = 4;  // 16 registers, not 32: fewer activation rows at once
+using ivec = __m256i;
+using fvec = __m256;
+static inline ivec load_bytes(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+static inline ivec high_nibbles(ivec v) { return low_nibbles(_mm256_srli_epi16(v, 4)); }
+static inline ivec broadcast4(const int8_t* x) { int32_t v; std::memcpy(&v, x, 4); return _mm256_set1_epi32(v); }
+static inline fvec load_halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline fvec fset(float v) { return _mm256_set1_ps(v); }
+static inline fvec fmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+static inline fvec fmadd(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void fstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+
+static inline fvec block_dot(const ivec w[8], const int8_t* x) {
+  ivec pairs = _mm256_setzero_si256();  // 16-bit lanes: at most 8 x (2 x 15 x 127) = 30480 < 32767
+  for (int j = 0; j < 8; ++j) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], broadcast4(x + 4 * j)));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));  // pairs of 16-bit sums -> int32
+}
+#endif
+"""
+
+
+INT4_TILE_CPP = r"""
+// a block's 32 values for LANES rows of a tile: 4 chunks of 64 bytes, each split into two vectors
+static inline void unpack_block(const uint8_t* block, ivec w[8]) {
+  for (int c = 0; c < 4; ++c) {
+    const ivec raw = load_bytes(block + c * 64);
+    w[2 * c] = low_nibbles(raw);  // values 8c .. 8c + 3 of each row
+    w[2 * c + 1] = high_nibbles(raw);  // values 8c + 4 .. 8c + 7
+  }
 }
 
-// a group's header in the interleaved int4 layout: 4 scales d, then 4 mins m, float16 -> float32 (F16C)
-static inline void group_scales(const uint8_t* group, float* d, float* m) {
-  _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)group)));
-  _mm_storeu_ps(m, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(group + 8))));
+// T activation rows times LANES weight rows of a 16-row tile (pass 0, or 1 for AVX2's second 8 rows).
+// The tile, group after group: 16 scales d and 16 mins m as float16 (64 bytes), then per block of
+// 32 values 4 chunks of 64 bytes. out gets T rows of LANES results, ldo floats apart.
+template <int T>
+static void int4_tile(const uint8_t* tile, int64_t pass, int64_t K, int64_t G, const int8_t* qx, const float* dx,
+                      const float* sx, float* out, int64_t ldo) {
+  const int64_t per_group = K / 32 / G, group_bytes = 64 + per_group * 256, blocks = K / 32;
+  fvec acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = fset(0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* group = tile + g * group_bytes;
+    _mm_prefetch((const char*)group + 4096, _MM_HINT_T1);  // the scales' line
+    const fvec d = load_halves(group + pass * LANES * 2), m = load_halves(group + 32 + pass * LANES * 2);
+    for (int64_t k = 0; k < per_group; ++k) {
+      const int64_t b = g * per_group + k;  // the block's index in an activation row
+      const uint8_t* block = group + 64 + k * 256 + pass * LANES * 4;
+      for (int line = 0; line < 4; ++line)  // 4 KiB ahead, each cache line: the hardware prefetcher alone lags
+        _mm_prefetch((const char*)block + line * 64 + 4096, _MM_HINT_T1);
+      ivec w[8];
+      unpack_block(block, w);  // once, for all T activation rows
+      for (int t = 0; t < T; ++t) {
+        acc[t] = fmadd(block_dot(w, qx + t * K + b * 32), fmul(d, fset(dx[t * blocks + b])), acc[t]);
+        acc[t] = fmadd(m, fset(sx[t * blocks + b]), acc[t]);  // the minimums: m * dx * sum(qx)
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) fstore(out + t * ldo, acc[t]);
+}
+"""
+
+
+INT8_ROWS_CPP = r"""
+// 32 unsigned bytes times 32 signed bytes -> 8 int32 lanes, each the sum of 4 adjacent products
+static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+#if WIDE
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 static inline float sum_lanes(__m256 v) {
@@ -67,42 +153,9 @@ static inline float sum_lanes(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-"""
 
-
-INT4_ROWS_CPP = r"""
-// Four rows of int4 weights against one quantized activation row. The rows are stored
-// interleaved, one group after another: per group, 4 scales d and 4 mins m in float16 (16 bytes),
-// then per block of 32 values 4 x 16 bytes of nibbles: the loop reads one sequential stream.
-static void int4_four_rows(const uint8_t* rows, int64_t K, int64_t G, const int8_t* qx, const float* dx,
-                           const float* sx, float* out) {
-  const int64_t per_group = K / 32 / G, group_bytes = 16 + per_group * 64;
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  float mins[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* group = rows + g * group_bytes;
-    float d[4], m[4];
-    group_scales(group, d, m);
-    for (int64_t k = 0; k < per_group; ++k) {
-      const int64_t b = g * per_group + k;  // the block's index in the activation row
-      const uint8_t* nibbles = group + 16 + k * 64;
-      _mm_prefetch((const char*)nibbles + 4096, _MM_HINT_T1);  // 4 KiB ahead: the hardware prefetcher alone lags
-      const __m256i x = _mm256_loadu_si256((const __m256i*)(qx + b * 32));
-      for (int r = 0; r < 4; ++r) {
-        __m256i dots = dot_u8_s8(unpack_nibbles(nibbles + r * 16), x);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(d[r] * dx[b]), acc[r]);
-        mins[r] += m[r] * sx[b];
-      }
-    }
-  }
-  for (int r = 0; r < 4; ++r) out[r] = sum_lanes(acc[r]) + mins[r];
-}
-"""
-
-
-INT8_ROWS_CPP = r"""
-// R rows of int8 weights (one scale s per row) against one quantized activation row.
-// Signed times signed: |w| is unsigned, and x takes w's sign, so dot_u8_s8 applies.
+// R rows of int8 weights (one scale s per row, row-major as the embedding reads them) against one
+// quantized activation row. Signed times signed: |w| is unsigned, and x takes w's sign.
 template <int R>
 static void int8_rows(const int8_t* w, const float* s, int64_t K, const int8_t* qx, const float* dx,
                       float* out) {
@@ -130,33 +183,36 @@ static void check(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 }
 
 static void check_int4(const at::Tensor& packed, int64_t N, int64_t K, int64_t G) {
-  TORCH_CHECK(K % 32 == 0 && G > 0 && (K / 32) % G == 0 && packed.size(0) == (N + 3) / 4
-              && packed.size(1) == G * (16 + K / 32 / G * 64), "minillm_cpu: int4 weights ", packed.sizes(),
+  TORCH_CHECK(K % 32 == 0 && G > 0 && (K / 32) % G == 0 && packed.size(0) == (N + 15) / 16
+              && packed.size(1) == G * (64 + K / 32 / G * 256), "minillm_cpu: int4 weights ", packed.sizes(),
               " do not hold N=", N, " rows of K=", K, " values in G=", G, " groups");
 }
 """
 
 INT4_OP_CPP = r"""
-// y (M, N) = x (M, K) @ W.T: the activations quantized once, then 4 weight rows at a time on each thread
-at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t G) {
+using TileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
+                        float*, int64_t);
+static const TileFn int4_tiles[] = {int4_tile<1>, int4_tile<2>, int4_tile<3>, int4_tile<4>, int4_tile<5>, int4_tile<6>};
+
+// y (M, N) = x (M, K) @ W.T for any M: the activations quantized once, then on each thread its
+// tiles of 16 weight rows, TOKENS activation rows per pass over a tile's bytes
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t G) {
   check(x, at::kFloat, "x"); check(packed, at::kByte, "packed");
-  const int64_t M = x.size(0), K = x.size(1), row_bytes = packed.size(1);
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), passes = 16 / LANES, NP = 16 * tiles;
   check_int4(packed, N, K, G);
   Quantized a = quantize_rows(x);
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, NP}, x.options());  // N rounded up to whole tiles
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int8_t* qx = a.qx.data_ptr<int8_t>();
   const float *dx = a.dx.data_ptr<float>(), *sx = a.sx.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t c0, int64_t c1) {  // torch's threads, 16 x 4 rows or more each
-    float four[4];
-    for (int64_t c = c0; c < c1; ++c)  // rows 4c .. 4c + 3
-      for (int64_t i = 0; i < M; ++i) {
-        int4_four_rows(w + c * row_bytes, K, G, qx + i * K, dx + i * K / 32, sx + i * K / 32, four);
-        for (int64_t r = 0; r < 4 && 4 * c + r < N; ++r) out[i * N + 4 * c + r] = four[r];  // not the padding
-      }
+  at::parallel_for(0, tiles * passes, 1, [&](int64_t c0, int64_t c1) {  // torch's threads
+    for (int64_t c = c0; c < c1; ++c)  // LANES rows from 16 * (c / passes) + LANES * (c % passes)
+      for (int64_t i = 0; i < M; i += TOKENS)
+        int4_tiles[std::min<int64_t>(TOKENS, M - i) - 1](w + c / passes * packed.size(1), c % passes, K, G,
+            qx + i * K, dx + i * K / 32, sx + i * K / 32, out + i * NP + c * LANES, NP);
   });
-  return y;
+  return NP == N ? y : y.narrow(1, 0, N).contiguous();  // the padding rows' results dropped
 }
 """
 
@@ -183,47 +239,15 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 """
 
 
-DEQUANTIZE_CPP = r"""
-// the float (N, K) weight, for prompts: one float matmul beats M integer passes over the weights
-at::Tensor int4_dequantize(const at::Tensor& packed, int64_t N, int64_t K, int64_t G) {
-  check(packed, at::kByte, "packed");
-  check_int4(packed, N, K, G);
-  const int64_t per_group = K / 32 / G, group_bytes = 16 + per_group * 64;
-  auto w = at::empty({N, K}, packed.options().dtype(at::kFloat));
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  float* out = w.data_ptr<float>();
-  at::parallel_for(0, (N + 3) / 4 * G, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {  // group t % G of rows 4 (t / G) ..
-      const uint8_t* group = src + t * group_bytes;
-      float d[4], m[4];
-      group_scales(group, d, m);
-      for (int64_t r = 0; r < 4 && t / G * 4 + r < N; ++r)
-        for (int64_t k = 0; k < per_group; ++k) {
-          const uint8_t* nibbles = group + 16 + k * 64 + r * 16;
-          float* row = out + (t / G * 4 + r) * K + (t % G * per_group + k) * 32;
-          for (int j = 0; j < 16; ++j) {
-            row[j] = d[r] * (nibbles[j] & 0x0F) + m[r];
-            row[j + 16] = d[r] * (nibbles[j] >> 4) + m[r];
-          }
-        }
-    }
-  });
-  return w;
-}
-"""
-
-
 REGISTER_CPP = r"""
 TORCH_LIBRARY(minillm_cpu, lib) {  // the schemas; what they return, for torch.compile, is told in Python
-  lib.def("int4_matvec(Tensor x, Tensor packed, int N, int G) -> Tensor");
+  lib.def("int4_matmul(Tensor x, Tensor packed, int N, int G) -> Tensor");
   lib.def("int8_matvec(Tensor x, Tensor w, Tensor s) -> Tensor");
-  lib.def("int4_dequantize(Tensor packed, int N, int K, int G) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minillm_cpu, CPU, lib) {
-  lib.impl("int4_matvec", int4_matvec);
+  lib.impl("int4_matmul", int4_matmul);
   lib.impl("int8_matvec", int8_matvec);
-  lib.impl("int4_dequantize", int4_dequantize);
 }
 """
 
@@ -232,6 +256,7 @@ HEADER_CPP = """#include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 """
-KERNEL_CPP = (HEADER_CPP + ACTIVATIONS_CPP + SIMD_CPP + INT4_ROWS_CPP + INT8_ROWS_CPP + CHECKS_CPP + INT4_OP_CPP
-              + INT8_OP_CPP + DEQUANTIZE_CPP + REGISTER_CPP)
+KERNEL_CPP = (HEADER_CPP + ACTIVATIONS_CPP + WIDE_CPP + NARROW_CPP + INT4_TILE_CPP + INT8_ROWS_CPP + CHECKS_CPP
+              + INT4_OP_CPP + INT8_OP_CPP + REGISTER_CPP)

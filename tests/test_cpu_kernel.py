@@ -23,17 +23,18 @@ def kernel():
     assert ck.build_kernel() is None  # the reason, if it did not build, is in the assertion message
 
 
-# (N, K, group, M): N not a multiple of 4, every group size, one row, a batch, the largest matvec batch
-SHAPES = [(960, 576, 32, 1), (577, 1536, 128, 3), (5, 256, 256, 2), (3, 64, 32, 16), (64, 512, 64, 7)]
+# (N, K, group, M): N not a multiple of 16, every group size, one row, a batch, prompts (TOKENS rows and a rest)
+SHAPES = [(960, 576, 32, 1), (577, 1536, 128, 3), (5, 256, 256, 2), (3, 64, 32, 16), (64, 512, 64, 7),
+          (192, 576, 32, 40), (40, 256, 64, 131)]
 
 
 @pytest.mark.parametrize("N,K,g,M", SHAPES)
-def test_int4_matvec_equals_its_emulation(N, K, g, M):
+def test_int4_matmul_equals_its_emulation(N, K, g, M):
     """The integer dots are exact: only the order of float additions differs from the torch emulation."""
     gen = torch.Generator().manual_seed(N * K + M)
     q, s, z = quantize_int4(torch.randn(N, K, generator=gen), g)
     x = torch.randn(M, K, generator=gen) * 3
-    y = torch.ops.minillm_cpu.int4_matvec(x, ck.pack_int4_rows(q, s, z), N, K // g)
+    y = torch.ops.minillm_cpu.int4_matmul(x, ck.pack_int4_tiles(q, s, z), N, K // g)
     want = ck.int4_dot8_reference(x, q, s, z)
     torch.testing.assert_close(y, want, rtol=0, atol=2e-6 * want.abs().max().item())
 
@@ -61,24 +62,21 @@ def test_activations_round_to_the_nearest_step():
     assert sx[0, 1].item() == pytest.approx(dx[0, 1].item() * qx[0, 32:].sum().item())
 
 
-def test_pack_layout_interleaves_four_rows():
-    q = (torch.arange(64) % 16).repeat(6, 1).to(torch.uint8)  # (6, 64): two groups of 32, rows padded to 8
-    q[5] = 15 - q[5]
-    s, z = torch.full((6, 2), 0.5), torch.arange(12.0).reshape(6, 2)
-    packed = ck.pack_int4_rows(q, s, z)
-    assert packed.shape == (2, 2 * (16 + 64))
-    second = packed[1]  # rows 4..7: 4, 5, then two zero rows
-    assert second[:8].view(torch.float16).tolist() == [0.5, 0.5, 0.0, 0.0]  # group 0's d of rows 4..7
-    assert second[8:16].view(torch.float16).tolist() == [8 - 4.0, 10 - 4.0, 0.0, 0.0]  # m = z - 8 d
-    row5 = second[16 + 16: 16 + 32]  # block 0, row 5 (the second 16 bytes)
-    assert row5.tolist() == [(15 - j) | ((15 - j) << 4) for j in range(16)]
-    assert second[16 + 32: 16 + 64].eq(0).all()  # padding rows
-
-
-def test_dequantize_for_prompts_equals_notebook_13():
-    q, s, z = quantize_int4(torch.randn(10, 256), 64)
-    w = torch.ops.minillm_cpu.int4_dequantize(ck.pack_int4_rows(q, s, z), 10, 256, 4)
-    torch.testing.assert_close(w, dequantize_int4(q, s, z), rtol=0, atol=2e-3 * w.abs().max().item())  # float16 d, m
+def test_pack_layout_puts_one_row_in_each_lane():
+    q = (torch.arange(64) % 16).repeat(18, 1).to(torch.uint8)  # (18, 64): two groups of 32, rows padded to 32
+    q[17] = 15 - q[17]
+    s, z = torch.full((18, 2), 0.5), torch.arange(36.0).reshape(18, 2)
+    packed = ck.pack_int4_tiles(q, s, z)
+    assert packed.shape == (2, 2 * (64 + 256))
+    second = packed[1]  # rows 16..31: 16, 17, then 14 zero rows
+    assert second[:32].view(torch.float16).tolist() == [0.5, 0.5] + [0.0] * 14  # group 0's d of rows 16..31
+    assert second[32:64].view(torch.float16)[:3].tolist() == [32 - 4.0, 34 - 4.0, 0.0]  # m = z - 8 d
+    chunk1 = second[64 + 64: 64 + 128]  # block 0, chunk 1: values 8..15 of every row
+    assert chunk1[4:8].tolist() == [(15 - (8 + j)) | ((15 - (12 + j)) << 4) for j in range(4)]  # row 17's lane
+    assert chunk1[0:4].tolist() == [(8 + j) | ((12 + j) << 4) for j in range(4)]  # row 16's lane
+    assert chunk1[8:].eq(0).all()  # padding rows
+    group1 = second[320:]  # the second group starts with its own scales
+    assert group1[32:36].view(torch.float16).tolist() == [33 - 4.0, 35 - 4.0]
 
 
 @pytest.mark.parametrize("N,M", [(1001, 1), (48, 5)])
@@ -94,7 +92,7 @@ def test_int8_matvec_equals_int8_activations_times_the_table(N, M):
 
 @pytest.mark.parametrize("rows", [1, 3, ck.MATVEC_ROWS + 1])
 def test_layers_keep_the_linear_contract(rows):
-    """(..., K) in, (..., N) out in the input's dtype with the bias; a prompt takes the float road."""
+    """(..., K) in, (..., N) out in the input's dtype with the bias; beyond MATVEC_ROWS the int8 head's float road."""
     lin = nn.Linear(128, 40)
     layer = ck.Int4DotLinear.from_linear(lin, 32)
     x = torch.randn(rows, 2, 128).to(torch.bfloat16)
@@ -113,16 +111,16 @@ def test_bad_inputs_are_named():
         layer(torch.randn(2, 63))
     packed = layer.packed
     with pytest.raises(RuntimeError, match="x must be a contiguous 2-d Float CPU tensor, got Double"):
-        torch.ops.minillm_cpu.int4_matvec(torch.randn(1, 64, dtype=torch.float64), packed, 8, 2)
-    with pytest.raises(RuntimeError, match=r"int4 weights \[2, 160\] do not hold N=8 rows of K=64 values in G=1"):
-        torch.ops.minillm_cpu.int4_matvec(torch.randn(1, 64), packed, 8, 1)
+        torch.ops.minillm_cpu.int4_matmul(torch.randn(1, 64, dtype=torch.float64), packed, 8, 2)
+    with pytest.raises(RuntimeError, match=r"int4 weights \[1, 640\] do not hold N=8 rows of K=64 values in G=1"):
+        torch.ops.minillm_cpu.int4_matmul(torch.randn(1, 64), packed, 8, 1)
     with pytest.raises(ValueError, match="kernel='dot8' is not available: it runs on the CPU, not meta"):
         ck.fast_quantized_linear(nn.Linear(64, 8, device="meta"), "int4", 32, "x", "dot8")
 
 
 @torch.no_grad()
 def test_smollm2_on_the_kernel_stays_the_int4_model(smollm2):
-    """12 tokens (under MATVEC_ROWS: every layer on the integer kernel) against notebook 13's reference layers."""
+    """12 tokens (the head too on its integer kernel, under MATVEC_ROWS) against notebook 13's reference layers."""
     model, tok = smollm2
     ours = FastCausalLM(model, quantize="int4")  # kernel="auto": this kernel, since it builds
     reference = FastCausalLM(model, quantize="int4", kernel="reference")
@@ -161,8 +159,8 @@ def test_the_avx2_build_agrees_too():
     code = ("import torch; from minillm import cpu_kernel as ck; from minillm.quant import quantize_int4\n"
             "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability()\n"
             "assert ck.build_kernel() is None and '-mavx512vnni' not in ck.compiler_flags()\n"
-            "q, s, z = quantize_int4(torch.randn(577, 1536), 64); x = torch.randn(3, 1536)\n"
-            "y = torch.ops.minillm_cpu.int4_matvec(x, ck.pack_int4_rows(q, s, z), 577, 24)\n"
+            "q, s, z = quantize_int4(torch.randn(577, 1536), 64); x = torch.randn(11, 1536)\n"
+            "y = torch.ops.minillm_cpu.int4_matmul(x, ck.pack_int4_tiles(q, s, z), 577, 24)\n"
             "want = ck.int4_dot8_reference(x, q, s, z)\n"
             "torch.testing.assert_close(y, want, rtol=0, atol=2e-6 * want.abs().max().item())\n")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"}
