@@ -42,8 +42,8 @@ How things are measured:
 - paged: minillm/bench_paged.py (its docstring): one engine decode step of 16 sequences at 256,
   1024 and 4096 tokens of context, its attention gathered or read through the block tables.
 - speculative: minillm/bench_speculative.py (its docstring): plain greedy decoding, the int4 drafter
-  and prompt lookup on an open question and a copy-edit task, against transformers' greedy generate
-  and its prompt lookup; acceptance, tokens per forward and equality with plain decoding.
+  and prompt lookup on an open question and a copy-edit task, against transformers' greedy generate, its
+  prompt lookup and assisted generation; acceptance, tokens per forward and equality with plain decoding.
 - lora: minillm/bench_lora.py (its docstring): 16 requests on the base model, through a MultiLoRA
   model with no adapter used, and spread over 4 adapters in one batch; transformers + PEFT the same.
 - serve: minillm/bench_serve.py (its docstring): --serve-requests requests arriving as a Poisson

@@ -7,15 +7,22 @@ answer in the prompt. Each path's tok/s is new tokens over the whole generation'
 included, the same for all), the best of --repeats runs, over SPEC_TOKENS new tokens (--quick: --tokens). Ratios are against transformers' plain
 greedy generate, and, for prompt lookup, against transformers' own (`prompt_lookup_num_tokens`).
 Each speculative path's tokens are compared with minillm's plain greedy tokens (they must be equal).
+transformers' assisted generation (`assistant_model=`) needs a smaller model with the same tokenizer;
+none is stored offline, so its drafter is the model itself with its linears in int8 (torch's dynamic
+quantization, the nearest to our int4 drafter that transformers runs), and the int4 drafters' rows
+give their speed against it.
 Every drafter guesses up to NUM_DRAFT tokens a round (adaptive). With --compile, one more row: the
 fast float32 path as the model (the same float32 weights, fused) with a torch.compile'd int4 drafter.
 """
 
 from __future__ import annotations
 
+import copy
 import time
+import warnings
 
 import torch
+from torch import nn
 
 from minillm.bench_peers import transformers_runner
 from minillm.fast import FastCausalLM
@@ -63,6 +70,13 @@ def _transformers(hf, ids, tokens, **extra):
     return lambda: (*run(ids, tokens), None)
 
 
+def int8_assistant(hf: nn.Module) -> nn.Module:
+    """A copy of transformers' model with every nn.Linear in int8 (torch.ao's dynamic quantization), as its drafter."""
+    with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated, and still shipped
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(hf), {nn.Linear}, dtype=torch.qint8)
+
+
 def speculative_rows(sides, args, row, skipped: dict) -> None:
     """Rows of the speculative section: per task, plain, int4 drafter and prompt lookup (tok/s; with
     --compile the compiled drafter for the fast path too), their acceptance, and whether their tokens
@@ -73,22 +87,27 @@ def speculative_rows(sides, args, row, skipped: dict) -> None:
     if args.compile:  # the float32 model on its fast path, drafted for by the compiled int4 fast path
         compiled = ModelDrafter(FastCausalLM(model, quantize="int4", group_size=args.group_size).compile())
         drafters["int4 drafter, fast compiled"] = (compiled, FastCausalLM(model))
-    skipped["speculative: transformers assisted generation"] = (
-        "not run: it needs a smaller model with the same tokenizer, and none is stored offline")
+    assistant = int8_assistant(sides.hf)
     for task, ids in task_prompts(tok, model.config.vocab_size, args.quick).items():
         _minillm(model, tok, ids[:8], 2)()  # warm-up
         hf_plain = _best(_transformers(sides.hf, ids, tokens), args.repeats)
         hf_lookup = _best(_transformers(sides.hf, ids, tokens, prompt_lookup_num_tokens=4), args.repeats)
+        hf_assisted = _best(_transformers(sides.hf, ids, tokens, assistant_model=assistant), args.repeats)
         plain = _best(_minillm(model, tok, ids, tokens), args.repeats)
         rate = lambda r: tokens / r[0]
         row("speculative", "plain", f"{task} decode", "tok/s", rate(plain), rate(hf_plain), n=tokens)
         row("speculative", "transformers lookup", f"{task} decode", "tok/s", None, rate(hf_lookup), n=tokens)
+        row("speculative", "transformers assisted, int8 drafter", f"{task} decode", "tok/s", None, rate(hf_assisted),
+            n=tokens)
         for name, (drafter, target) in drafters.items():
             _minillm(model, tok, ids, 8, drafter, target)()  # warm-up (and torch.compile's first compiles)
             result = _best(_minillm(model, tok, ids, tokens, drafter, target), args.repeats)
             theirs = hf_lookup if name == "prompt lookup" else hf_plain
             row("speculative", name, f"{task} decode", "tok/s", rate(result), rate(theirs), n=tokens)
             row("speculative", name, f"{task} vs plain", "x", rate(result) / rate(plain), None, n=tokens)
+            if name.startswith("int4 drafter"):  # against transformers' assisted generation, a drafter of its own
+                row("speculative", name, f"{task} vs transformers assisted", "x", rate(result) / rate(hf_assisted),
+                    None, n=tokens)
             row("speculative", name, f"{task} accepted", "%", 100 * result[2].acceptance_rate, None, n=tokens)
             row("speculative", name, f"{task} tokens/forward", "tokens", result[2].tokens_per_forward, None, n=tokens)
             same = next((i for i, (a, b) in enumerate(zip(result[1], plain[1])) if a != b), len(plain[1]))

@@ -136,7 +136,11 @@ def test_speculative_section(result):
             assert get("vs plain")["minillm"] == pytest.approx(
                 get("decode")["minillm"] / rows(result, section="speculative", variant="plain",
                                                 metric=f"{task} decode")[0]["minillm"])
-    assert "speculative: transformers assisted generation" in result["skipped"]
+        assisted = rows(result, section="speculative", variant="transformers assisted, int8 drafter",
+                        metric=f"{task} decode")[0]["transformers"]
+        ours = rows(result, section="speculative", variant="int4 drafter", metric=f"{task} vs transformers assisted")
+        assert ours[0]["minillm"] == pytest.approx(rows(result, section="speculative", variant="int4 drafter",
+                                                        metric=f"{task} decode")[0]["minillm"] / assisted)
 
 
 def test_serve_section(result):
