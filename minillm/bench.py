@@ -279,7 +279,7 @@ def run_benchmark(args) -> dict:
                     theirs["ttft_s"][L] * 1e3, n=L)
                 row("prefill", variant, "prefill", "tok/s", L / ours["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
             if tokens:
-                c = own_ceiling(model, max(10, 5 * args.repeats), compiled=variant.endswith("-compiled"))  # best of many: noise
+                c = own_ceiling(model, max(10, 5 * args.repeats), compiled=variant.endswith("-compiled"))  # best of 10 or more
                 decoded[variant] = ours["decode_tok_s"]
                 row("decode", variant, "decode", "tok/s", ours["decode_tok_s"], theirs["decode_tok_s"], n=tokens,
                     fraction=ceiling_fraction(ours["decode_tok_s"], c, variant, skipped))

@@ -14,8 +14,8 @@ keeps torch's packed kernels and says why once.
 Shape legend: N output features, K input features, M rows of activations, G groups per row.
 
 References: ggml-quants.c (block_q4_1, block_q8_1, ggml_vec_dot_q4_1_q8_1) and ggml-cpu's repacked
-kernels (repack.cpp); Intel's intrinsics
-guide (_mm256_maddubs_epi16, _mm256_dpbusd_epi32); PyTorch's custom C++ ops tutorial.
+kernels (repack.cpp); Intel's intrinsics guide (_mm512_dpbusd_epi32, _mm256_maddubs_epi16);
+PyTorch's custom C++ ops tutorial.
 """
 
 from __future__ import annotations

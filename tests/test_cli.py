@@ -162,9 +162,12 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session():
     import signal
     import time
 
+    # SIGINT at its default in the child: a run started in the background (`make test &`) inherits it
+    # ignored, and Python then keeps ignoring it, so Ctrl-C would never reach the chat
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "chat", "--temperature", "0",
                              "--max-new-tokens", "2000", "--device", "cpu"], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:  # greedy, SmolLM2 writes this essay for 400 tokens and more: it cannot end before the Ctrl-C arrives
         proc.stdin.write("Write a very long essay about the history of Rome, with many chapters.\n")
         proc.stdin.flush()
