@@ -367,9 +367,17 @@ class EngineCore:
     def step(self) -> list[Output]:
         """One round: schedule, prefill the admitted, one decode forward for the running, sample, finish."""
         prefills, decoding, rejected = self.scheduler.schedule()
+        return self.reject(rejected) + self.run(prefills, decoding)
+
+    def reject(self, rejected: list[Sequence]) -> list[Output]:
+        """End the requests that can never fit, each with an error saying why."""
         for seq in rejected:
             self._finish(seq, "error", never_fits(self.manager, seq, self.scheduler.max_model_len))
-        outputs = [Output(seq.id, None, "", True, "error", seq.error) for seq in rejected]
+        return [Output(seq.id, None, "", True, "error", seq.error) for seq in rejected]
+
+    def run(self, prefills: list[tuple[Sequence, int]], decoding: list[Sequence]) -> list[Output]:
+        """The step's forwards (prompt chunks and decode tokens, packed), each row sampled; the finished end."""
+        outputs = []
         copy_blocks(self.cache, self.manager)
         for batch in packed_batches(prefills, decoding, self.max_prefill_tokens, self.scheduler.max_model_len):
             logits = forward_step(self.model, self.cache, self.manager, batch, self.sink_slot, self.attention)

@@ -146,20 +146,26 @@ def _prepare(model, tokenizer, prompt_ids, drafter, max_new_tokens, stop, eos_to
     return prompt_ids, text_stream, total, cache
 
 
-def _verify(model, cache, seen, draft, q, params, generator, prompt_len):
-    """One forward over the last token and the drafts -> (kept, next token, logprobs of all k+1 rows)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([[seen[-1], *draft]], device=device)  # (1, k+1)
-    logits = model(ids, cache=cache, start_pos=len(seen) - 1)[0].float()  # (k+1, V)
+def judge(logits, seen, draft, q, params, generator, prompt_len):
+    """The rule on the model's logits (k+1, V) at the last token and the drafts -> (kept, next token,
+    logprobs of all k+1 rows). seen: the text so far, its last token included."""
+    logits = logits.float()
     histories = [seen + draft[:i] for i in range(len(draft) + 1)]
     processed = process_logits(logits, params, histories, [prompt_len] * len(histories))  # (k+1, V)
     if params.greedy:
         kept, token = accept_greedy(processed.argmax(-1), draft)
     else:
         p = torch.softmax(processed, -1)
-        q = one_hot_rows(draft, p.shape[-1], device) if q is None else q
+        q = one_hot_rows(draft, p.shape[-1], p.device) if q is None else q
         kept, token = accept_sampled(p, q, draft, generator)
     return kept, token, torch.log_softmax(logits, -1)
+
+
+def _verify(model, cache, seen, draft, q, params, generator, prompt_len):
+    """One forward over the last token and the drafts, then `judge` -> (kept, next token, logprob rows)."""
+    ids = torch.tensor([[seen[-1], *draft]], device=next(model.parameters()).device)  # (1, k+1)
+    logits = model(ids, cache=cache, start_pos=len(seen) - 1)[0]  # (k+1, V)
+    return judge(logits, seen, draft, q, params, generator, prompt_len)
 
 
 def _round(model, cache, drafter, seen, k, params, generator, prompt_len):
