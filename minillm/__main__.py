@@ -8,6 +8,7 @@
     python -m minillm generate "Hi" --quantize int4 --group-size 32   # int4 weights (notebook 13)
     python -m minillm generate "Hi" --fast --quantize int4            # the fast path (notebook 15)
     python -m minillm generate "Hi" --speculative int4 --num-draft 4  # speculative decoding (notebook 17)
+    python -m minillm serve --speculative int4   # the engine speculates while few requests decode
     python -m minillm generate "A city?" --json-schema city.json      # JSON that always parses (notebook 18)
     torchrun --nproc-per-node 2 -m minillm serve --tensor-parallel 2 # one model over 2 ranks (notebook 20)
 
@@ -36,6 +37,7 @@ from minillm.server import PREFILL_CHUNK, serve
 from minillm.server_ops import read_keys
 from minillm.speculative import SpeculationStats
 from minillm.speculative import stream as speculative_stream
+from minillm.speculative_engine import SpeculativeEngine
 from minillm.tensor_parallel import RankLost
 from minillm.tp_runtime import Control, LeadEngine, follow, read_line
 
@@ -148,11 +150,12 @@ def _messages(args, text: str) -> list[dict]:
 
 
 def _check_speculative(args) -> None:
-    """--num-draft needs --speculative; checked before the model loads."""
-    if args.num_draft is not None and args.speculative is None:
-        raise ValueError("--num-draft applies to --speculative")
-    if args.num_draft is not None and args.num_draft < 1:
-        raise ValueError(f"--num-draft must be >= 1, got {args.num_draft}")
+    """--num-draft (and serve's --speculative-max-batch) need --speculative; checked before the model loads."""
+    for flag, value in (("--num-draft", args.num_draft), ("--speculative-max-batch", getattr(args, "speculative_max_batch", None))):
+        if value is not None and args.speculative is None:
+            raise ValueError(f"{flag} applies to --speculative")
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
 def _response_format(args) -> dict | None:
@@ -257,11 +260,13 @@ def cmd_serve(args) -> int:
     keys = read_keys(args.api_key, args.api_key_file, os.environ)  # before loading: a bad key fails fast
     specs = lora_specs(args)
     adapters = {name: read_adapter(path) for name, path in specs.items()}  # a bad adapter fails fast too
+    _check_speculative(args)
     llm = _load(args)
     control = _ranks(args)
     if control is not None and control.rank:  # notebook 20: a follower steps as rank 0's engine does
         follow(llm.model, llm.tokenizer, control)
         return 0
+    drafter = _drafter(llm, args)  # before the adapters wrap the model: the drafter drafts for the base model
     if adapters:  # notebook 19: requests pick one with model="<name>:<adapter>"
         llm.model = MultiLoRA(llm.model, adapters)
     name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model
@@ -272,10 +277,20 @@ def cmd_serve(args) -> int:
           model_name=name, num_blocks=args.num_blocks, max_in_flight=args.max_in_flight, api_keys=keys,
           max_concurrent_per_key=args.max_concurrent_per_key, tokens_per_minute=args.tokens_per_minute,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, prefill_chunk=args.prefill_chunk or None,
-          **({} if control is None else {"engine_class": partial(LeadEngine, control=control)}))
+          **_engine_class(args, control, drafter))
     if control is not None:
         control.share(None)  # the followers stop
     return 0
+
+
+def _engine_class(args, control, drafter) -> dict:
+    """serve's engine: notebook 12's, rank 0's under --tensor-parallel (nb 20), or speculating (nb 17)."""
+    if control is not None:
+        return {"engine_class": partial(LeadEngine, control=control)}
+    if drafter is not None:
+        return {"engine_class": partial(SpeculativeEngine, drafter=drafter, num_draft=args.num_draft or 4,
+                                        max_batch=args.speculative_max_batch or 2)}
+    return {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -316,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                        help="serve a PEFT LoRA adapter beside the model (repeatable); a request picks it with "
                             "model='<served model>:NAME' (notebook 19)")
+    serve.add_argument("--speculative", metavar="DRAFTER",
+                       help="speculative decoding in the engine (notebook 17) while at most --speculative-max-batch "
+                            "requests decode: int4 (the model's own int4 fast path drafts), ngram (prompt lookup), "
+                            "or a draft model with the same tokenizer; the answers are unchanged")
+    serve.add_argument("--num-draft", type=int, metavar="N", help="tokens drafted per round, at most (default: 4)")
+    serve.add_argument("--speculative-max-batch", type=int, metavar="N",
+                       help="speculate while at most N requests decode (default: 2, measured in notebook 17)")
     for name, help_text in (("generate", "answer one prompt, streaming"), ("chat", "interactive chat, streaming")):
         p = sub.add_parser(name, help=help_text)
         if name == "generate":

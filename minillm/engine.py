@@ -338,6 +338,20 @@ def fork_choices(manager: BlockManager, running: list[Sequence], seqs: list[Sequ
     return seqs + forks, torch.cat([logits, logits[rows]])  # (B, V) -> (B + forks, V)
 
 
+def run_batches(model: CausalLM, cache: list, manager: BlockManager, running: list[Sequence],
+                batches: list[list[tuple[Sequence, int]]], sink_slot: int, attention: str = "gather") -> list[Output]:
+    """A step's packed forwards once scheduled: the block copies applied, then each forward's rows sample
+    (the decode rows, and the prefill rows whose prompt is now complete; n > 1: the other choices join)."""
+    copy_blocks(cache, manager)
+    outputs = []
+    for batch in batches:
+        logits = forward_step(model, cache, manager, batch, sink_slot, attention)
+        done = [b for b, (s, n) in enumerate(batch) if n == 0 or advance_prefill(manager, s, n)]
+        seqs, logits = fork_choices(manager, running, [batch[b][0] for b in done], logits[done])
+        outputs += sample_batch(seqs, logits)
+    return outputs
+
+
 class EngineCore:
     """The stepping half of the engine: a model, a paged KV cache, a scheduler and `step`."""
 
@@ -366,30 +380,19 @@ class EngineCore:
     @torch.no_grad()
     def step(self) -> list[Output]:
         """One round: schedule, prefill the admitted, one decode forward for the running, sample, finish."""
-        prefills, decoding, rejected = self.scheduler.schedule()
-        return self.reject(rejected) + self.run(prefills, decoding)
+        return self.run(*self.scheduler.schedule())
 
-    def reject(self, rejected: list[Sequence]) -> list[Output]:
-        """End the requests that can never fit, each with an error saying why."""
+    def run(self, prefills: list[tuple[Sequence, int]], decoding: list[Sequence], rejected: list[Sequence]) -> list[Output]:
+        """What was scheduled: the never-fitting fail, the packed forwards run and sample, the finished end."""
         for seq in rejected:
             self._finish(seq, "error", never_fits(self.manager, seq, self.scheduler.max_model_len))
-        return [Output(seq.id, None, "", True, "error", seq.error) for seq in rejected]
-
-    def run(self, prefills: list[tuple[Sequence, int]], decoding: list[Sequence]) -> list[Output]:
-        """The step's forwards (prompt chunks and decode tokens, packed), each row sampled; the finished end."""
-        outputs = []
-        copy_blocks(self.cache, self.manager)
-        for batch in packed_batches(prefills, decoding, self.max_prefill_tokens, self.scheduler.max_model_len):
-            logits = forward_step(self.model, self.cache, self.manager, batch, self.sink_slot, self.attention)
-            # the decode rows sample, and the prefill rows whose prompt is now complete
-            done = [b for b, (s, n) in enumerate(batch) if n == 0 or advance_prefill(self.manager, s, n)]
-            seqs, logits = [batch[b][0] for b in done], logits[done]
-            seqs, logits = fork_choices(self.manager, self.scheduler.running, seqs, logits)  # n > 1: choices join
-            for out in sample_batch(seqs, logits):
-                if out.finished:
-                    self._finish(self.sequences[out.request_id], out.finish_reason, out.error)
-                outputs.append(out)
-        return outputs
+        batches = packed_batches(prefills, decoding, self.max_prefill_tokens, self.scheduler.max_model_len)
+        outputs = run_batches(self.model, self.cache, self.manager, self.scheduler.running, batches, self.sink_slot,
+                              self.attention)
+        for out in outputs:
+            if out.finished:
+                self._finish(self.sequences[out.request_id], out.finish_reason, out.error)
+        return [Output(seq.id, None, "", True, "error", seq.error) for seq in rejected] + outputs
 
 
 class Engine(EngineCore):

@@ -1,3 +1,5 @@
+# Generated from notebooks/17_speculative.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
 """Speculation inside the continuous-batching engine (notebook 12): `SpeculativeEngine`.
 
 Built in notebooks/17_speculative.ipynb. While at most `max_batch` sequences decode, each drafts
@@ -59,20 +61,59 @@ def accept(seq: Sequence, logits: torch.Tensor, draft: list[int], q: torch.Tenso
     return outputs, kept
 
 
+def draft_tokens(manager: BlockManager, seq: Sequence, drafter, k: int) -> tuple[list[int], torch.Tensor | None]:
+    """Up to k tokens guessed after seq's pending one (fewer near its limits, or with no block free),
+    appended to its blocks -> (draft, q: the drafter's probabilities, or None if it chose greedily)."""
+    text = seq.text  # text.tokens: generated so far, the pending token included
+    k = min(k, text.max_new_tokens - text.tokens - 1, text.context - text.prompt_len - text.tokens - 1)
+    seen = [*seq.token_ids, seq.pending]
+    draft, q = drafter.propose(seen, k, seq.params, seq.generator, len(seq.prompt_ids)) if k > 0 else ([], None)
+    for i, token in enumerate(draft):
+        if not manager.can_append(seq.id):  # a guess never preempts a request
+            return draft[:i], None if q is None else q[:i]
+        manager.append(seq.id, token)
+    return draft, q
+
+
+def forward_verify(model, cache: list, manager: BlockManager, decoding: list[Sequence],
+                   drafts: list[list[int]]) -> torch.Tensor:
+    """One packed forward over every sequence's pending token and drafts -> logits (sum of 1 + k, V)."""
+    device, chunks, ids, keep = cache[0].k.device, [], [], []
+    for seq, draft in zip(decoding, drafts):
+        new = 1 + len(draft)
+        chunks.append((seq.id, manager.num_tokens(seq.id) - new, new))  # causal after its cached keys
+        keep += range(len(ids), len(ids) + new)  # every column's logits, not only the last
+        ids += [seq.pending, *draft]
+    layout = packed_layout(manager, chunks, [], cache[0].k.shape[0], device)
+    logits = model(torch.tensor([ids], device=device), positions=layout.positions,
+                   cache=[PackedView(c, layout) for c in cache], logits_to_keep=torch.tensor(keep, device=device))
+    return logits[0]  # (1, N, V) -> (N, V)
+
+
+def drafter_of(drafters: dict, prototype, num_draft: int, seq: Sequence) -> list:
+    """[seq's own drafter, its k now] from drafters (sequence id -> that pair); at seq's first draft,
+    a copy of the prototype, started for it (start() gives the copy a state of its own)."""
+    if seq.id not in drafters:
+        drafter = copy.copy(prototype)
+        drafter.start(min(len(seq.prompt_ids) + seq.text.max_new_tokens, seq.text.context))
+        drafters[seq.id] = [drafter, num_draft]
+    return drafters[seq.id]
+
+
 class SpeculativeEngine(Engine):
     """notebook 12's Engine, drafting for each decoding sequence while at most max_batch decode.
 
     drafter: a drafter (NgramDrafter, ModelDrafter, int4_drafter(model)); each sequence gets a copy,
     started for it. stats: the counts of every speculating step, all sequences together."""
 
-    def __init__(self, model, tokenizer, *args, drafter, num_draft: int = 4, max_batch: int = 4, **kwargs):
+    def __init__(self, model, tokenizer, *args, drafter, num_draft: int = 4, max_batch: int = 2, **kwargs):
         super().__init__(model, tokenizer, *args, **kwargs)
         check_drafter(model, drafter)
         for name, value in (("num_draft", num_draft), ("max_batch", max_batch)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SpeculativeEngine: {name} must be an int >= 1, got {value!r}")
         self.drafter, self.num_draft, self.max_batch = drafter, num_draft, max_batch
-        self.drafters: dict[int, tuple[object, int]] = {}  # sequence id -> (its drafter, its k now)
+        self.drafters: dict[int, list] = {}  # sequence id -> [its drafter, its k now]
         self.stats = SpeculationStats()
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
@@ -86,54 +127,21 @@ class SpeculativeEngine(Engine):
     @torch.no_grad()
     def step(self) -> list[Output]:
         prefills, decoding, rejected = self.scheduler.schedule()
-        outputs = self.reject(rejected)
         if not self.speculates(decoding):
-            return outputs + self.run(prefills, decoding)
-        drafts = [self.draft(seq) for seq in decoding]  # before run(): it applies the copies appending made
-        outputs += self.run(prefills, [])  # the prompt chunks, in forwards of their own
-        logits = self.verify(decoding, [d for d, _ in drafts])  # (sum of k + 1, V)
+            return self.run(prefills, decoding, rejected)  # notebook 12's step
+        drafts = [draft_tokens(self.manager, seq, *drafter_of(self.drafters, self.drafter, self.num_draft, seq))
+                  for seq in decoding]
+        outputs = self.run(prefills, [], rejected)  # the prompt chunks (and the block copies drafting made)
+        logits = forward_verify(self.model, self.cache, self.manager, decoding, [d for d, _ in drafts])
         for seq, (draft, q), rows in zip(decoding, drafts, logits.split([1 + len(d) for d, _ in drafts])):
-            outs, kept = accept(seq, rows, draft, q)
+            outs, kept = accept(seq, rows, draft, q)  # (1 + k, V) rows
             self.stats.add_round(len(draft), kept)
             self.stats.emitted += sum(out.token_id is not None for out in outs)
-            drafter, k = self.drafters[seq.id]
-            self.drafters[seq.id] = drafter, next_k(k, self.num_draft, len(draft), kept)
+            state = self.drafters[seq.id]
+            state[1] = next_k(state[1], self.num_draft, len(draft), kept)
             if outs[-1].finished:
                 self._finish(seq, outs[-1].finish_reason, outs[-1].error)
             else:
-                rollback(self.manager, seq.id, len(seq.token_ids))  # the new pending token is not in the cache
+                rollback(self.manager, seq.id, len(seq.token_ids))  # the new pending token is not cached yet
             outputs += outs
         return outputs
-
-    def draft(self, seq: Sequence) -> tuple[list[int], torch.Tensor | None]:
-        """Up to k tokens guessed after seq's pending one, appended to its blocks -> (draft, q or None)."""
-        if seq.id not in self.drafters:
-            drafter = copy.copy(self.drafter)  # start() gives the copy a state of its own
-            drafter.start(min(len(seq.prompt_ids) + seq.text.max_new_tokens, seq.text.context))
-            self.drafters[seq.id] = drafter, self.num_draft
-        drafter, k = self.drafters[seq.id]
-        text = seq.text  # text.tokens: generated so far, the pending token included
-        room = min(text.max_new_tokens - text.tokens, text.context - text.prompt_len - text.tokens) - 1
-        seen = [*seq.token_ids, seq.pending]
-        draft, q = drafter.propose(seen, min(k, room), seq.params, seq.generator, len(seq.prompt_ids)) \
-            if min(k, room) > 0 else ([], None)
-        for i, token in enumerate(draft):
-            if not self.manager.can_append(seq.id):  # no block free: draft fewer (never preempt for a guess)
-                draft, q = draft[:i], None if q is None else q[:i]
-                break
-            self.manager.append(seq.id, token)
-        return draft, q
-
-    def verify(self, decoding: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
-        """One packed forward over every sequence's pending token and drafts -> logits (sum of k + 1, V)."""
-        chunks, ids, keep = [], [], []
-        for seq, draft in zip(decoding, drafts):
-            new = 1 + len(draft)
-            chunks.append((seq.id, self.manager.num_tokens(seq.id) - new, new))  # causal after its cached keys
-            keep += range(len(ids), len(ids) + new)
-            ids += [seq.pending, *draft]
-        layout = packed_layout(self.manager, chunks, [], self.cache[0].k.shape[0], self.device)
-        logits = self.model(torch.tensor([ids], device=self.device), positions=layout.positions,
-                            cache=[PackedView(c, layout) for c in self.cache],
-                            logits_to_keep=torch.tensor(keep, device=self.device))  # (1, N, V)
-        return logits[0]

@@ -142,6 +142,15 @@ def test_bad_flags_fail_before_the_model_loads(args, message):
     assert time.monotonic() - t0 < 15  # an interpreter start and imports, no weights
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--speculative-max-batch", "2"], "--speculative-max-batch applies to --speculative"),
+    (["--speculative", "ngram", "--speculative-max-batch", "0"], "--speculative-max-batch must be >= 1, got 0"),
+], ids=["max-batch alone", "max-batch 0"])
+def test_serve_speculation_flags_fail_before_the_model_loads(args, message):
+    result = run_cli("serve", "--device", "cpu", *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
 def test_prompt_longer_than_the_context_names_both_numbers():
     result = run_cli("generate", "word " * 9000, "--raw", "--device", "cpu")
     assert result.returncode == 2

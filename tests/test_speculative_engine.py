@@ -5,16 +5,22 @@ manager that never saw them); sampling seeded; fallback above max_batch; bad arg
 
 from __future__ import annotations
 
+from functools import partial
+
+import openai
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY
 from minillm import speculative as sp
+from minillm.api import LLM
 from minillm.engine import Engine
+from minillm.generate import generate
 from minillm.model import from_folder
 from minillm.paged_cache import BlockManager
 from minillm.sampling import SamplingParams
+from minillm.server import BackgroundServer, create_app
 from minillm.speculative_engine import SpeculativeEngine, rollback
 
 SMOL_PROMPTS = ["The capital of France is", "Repeat after me: one two three, one two three, one two",
@@ -60,7 +66,7 @@ def test_greedy_engine_speculation_equals_the_plain_engine(name, smollm2):
     smol, tokenizer = smollm2  # its tokenizer decodes any id < 320: it serves the tiny models too
     model = smol if name == "smollm2" else from_folder(DATA / name)
     if name == "smollm2":
-        prompts, n = [tokenizer.encode(p) for p in SMOL_PROMPTS], 48
+        prompts, n = [tokenizer.encode(p) for p in SMOL_PROMPTS], 32
     else:
         ref = load_file(DATA / name / "reference.safetensors")
         prompts, n = [ref[f"input_ids_{i}"].tolist() for i in range(3)], 32
@@ -129,7 +135,7 @@ def test_sampled_engine_speculation_is_seeded(smollm2):
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s) for s in (1, 2, 3)]
     runs = []
     for _ in range(2):
-        engine = SpeculativeEngine(model, tokenizer, num_blocks=64, drafter=sp.int4_drafter(model))
+        engine = SpeculativeEngine(model, tokenizer, num_blocks=64, drafter=sp.int4_drafter(model), max_batch=3)
         runs.append([a["token_ids"] for a in engine.generate(prompts, params, 24, eos_token_ids=())])
         assert engine.stats.accepted > engine.stats.drafted / 2  # int4 SmolLM2 agrees with float32 mostly
     assert runs[0] == runs[1] and all(len(ids) == 24 for ids in runs[0])
@@ -155,3 +161,24 @@ def test_bad_arguments_name_the_problem(smollm2):
         SpeculativeEngine(model, tokenizer, drafter=sp.ModelDrafter(from_folder(DATA / "tiny-llama")))
     with pytest.raises(TypeError, match="a drafter has start"):
         SpeculativeEngine(model, tokenizer, drafter="int4")
+
+
+def test_the_server_speculates_with_the_plain_answers(smollm2):
+    """create_app with the speculative engine (what `serve --speculative int4` runs): the answers of
+    plain greedy generation, through the official client, streamed and not."""
+    model, tokenizer = smollm2
+    llm = LLM(model, tokenizer)
+    engine = partial(SpeculativeEngine, drafter=sp.int4_drafter(model))
+    background = BackgroundServer(create_app(llm, model_name="smol", num_blocks=64, engine_class=engine))
+    try:
+        client = openai.OpenAI(base_url=background.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for question in ("What is the capital of France?", "Name three colours."):
+            messages = [{"role": "user", "content": question}]
+            want = generate(model, tokenizer, llm.encode_chat(messages), max_new_tokens=24).text
+            answer = client.chat.completions.create(model="smol", messages=messages, max_tokens=24, temperature=0)
+            assert answer.choices[0].message.content == want
+            chunks = client.chat.completions.create(model="smol", messages=messages, max_tokens=24, temperature=0,
+                                                    stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    finally:
+        background.stop()

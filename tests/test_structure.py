@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
 LAYERS = {  # bottom to top: a module imports from its own layer or the ones below, never above
     "primitives": {"tensor", "devices", "grammar", "constrained", "tools", "gguf_file", "chat_template", "attention", "rope", "layers", "sampling", "tokenizer", "embedded", "diagram"},
     "model and storage": {"model", "kv_cache", "paged_checks", "paged_cache", "paged_attention", "packed", "hub", "weights", "quant", "cpu_kernel_cpp", "cpu_kernel", "lora", "tensor_parallel"},
-    "runtime": {"fast", "generate", "sequence", "engine", "evaluate", "speculative", "tp_runtime"},
+    "runtime": {"fast", "generate", "sequence", "engine", "evaluate", "speculative", "speculative_engine", "tp_runtime"},
     "front doors": {"api", "server", "server_ops", "openai_protocol", "__main__", "bench", "bench_engine", "bench_speculative", "bench_lora", "bench_serve", "bench_paged", "bench_tp", "bench_peers", "roofline", "check", "check_harness", "check_model", "check_loading", "check_serving", "check_explore", "check_engine", "check_first_versions", "check_speculative", "check_lora",
                     "__init__"},
 }
