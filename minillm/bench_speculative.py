@@ -13,6 +13,9 @@ quantization, the nearest to our int4 drafter that transformers runs), and the i
 give their speed against it.
 Every drafter guesses up to NUM_DRAFT tokens a round (adaptive). With --compile, one more row: the
 fast float32 path as the model (the same float32 weights, fused) with a torch.compile'd int4 drafter.
+The engine rows: the speculating engine (notebook 17, int4 drafter, its default k) against the plain
+engine, B requests at once (the two tasks' prompts, in turn), as the ratio of their times, and how many
+of the B answers equal the plain engine's.
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ import torch
 from torch import nn
 
 from minillm.bench_peers import transformers_runner
+from minillm.engine import Engine
 from minillm.fast import FastCausalLM
 from minillm.generate import generate
 from minillm.speculative import ModelDrafter, NgramDrafter, SpeculationStats, int4_drafter, stream
+from minillm.speculative_engine import SpeculativeEngine
 
 PASSAGE = ("Four score and seven years ago our fathers brought forth on this continant, a new nation, conceived in "
            "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great "
            "civil war, testing whether that nation, or any nation so conceived and so dedicated, can long endure.")
 SPEC_TOKENS = 64  # new tokens per task: the copy-edit answer is about this long, so lookup has text to copy
 NUM_DRAFT = 6  # notebook 17's sweep: the int4 drafter gains most at k = 6 to 8
+ENGINE_BATCHES = (1, 2, 4)  # requests at once: notebook 17 found the int4 drafter pays at 1 and 2
 TASKS = {"open": "Why is the sky blue? Explain it to a child.",
          "copy-edit": "Copy this text exactly, but fix the misspelled word: " + PASSAGE}
 
@@ -112,3 +118,24 @@ def speculative_rows(sides, args, row, skipped: dict) -> None:
             row("speculative", name, f"{task} tokens/forward", "tokens", result[2].tokens_per_forward, None, n=tokens)
             same = next((i for i, (a, b) in enumerate(zip(result[1], plain[1])) if a != b), len(plain[1]))
             row("speculative", name, f"{task} equal to plain", "tokens", same, len(plain[1]), n=tokens)
+    engine_rows(sides, args, row, list(task_prompts(tok, model.config.vocab_size, args.quick).values()), tokens)
+
+
+def engine_rows(sides, args, row, prompts: list[list[int]], tokens: int) -> None:
+    """The speculating engine against the plain engine at each batch size of ENGINE_BATCHES."""
+    model, tok, drafter = sides.model, sides.tokenizer, int4_drafter(sides.model, args.group_size)
+    for B in ENGINE_BATCHES:
+        batch = [prompts[i % len(prompts)] for i in range(B)]
+
+        def served(make):
+            def run():
+                t0 = time.perf_counter()
+                answers = make().generate(batch, max_new_tokens=tokens, eos_token_ids=())
+                return time.perf_counter() - t0, [a["token_ids"] for a in answers]
+            return run
+        plain = _best(served(lambda: Engine(model, tok, num_blocks=64)), args.repeats)
+        spec = _best(served(lambda: SpeculativeEngine(model, tok, num_blocks=64, drafter=drafter, max_batch=B)),
+                     args.repeats)
+        row("speculative", "engine, int4 drafter", f"batch {B} vs plain engine", "x", plain[0] / spec[0], None, n=tokens)
+        row("speculative", "engine, int4 drafter", f"batch {B} answers as the plain engine's", "answers",
+            sum(a == b for a, b in zip(spec[1], plain[1])), None, n=tokens)  # of B

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minillm import bench, bench_peers, bench_serve, roofline
-from minillm.bench_speculative import TASKS
+from minillm.bench_speculative import ENGINE_BATCHES, TASKS
 
 QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1",
          "--rate", "20", "--prefill-chunk", "16", "--peers", "llama.cpp"]
@@ -141,6 +141,14 @@ def test_speculative_section(result):
         ours = rows(result, section="speculative", variant="int4 drafter", metric=f"{task} vs transformers assisted")
         assert ours[0]["minillm"] == pytest.approx(rows(result, section="speculative", variant="int4 drafter",
                                                         metric=f"{task} decode")[0]["minillm"] / assisted)
+
+
+def test_speculative_engine_rows(result):
+    """The speculating engine at each batch size: every answer equal to the plain engine's, a time ratio."""
+    for B in ENGINE_BATCHES:
+        get = lambda metric: rows(result, section="speculative", variant="engine, int4 drafter", metric=f"batch {B} {metric}")
+        assert get("answers as the plain engine's")[0]["minillm"] == B
+        assert get("vs plain engine")[0]["minillm"] > 0
 
 
 def test_serve_section(result):
