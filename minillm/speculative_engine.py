@@ -128,6 +128,7 @@ class SpeculativeEngine(Engine):
     def step(self) -> list[Output]:
         prefills, decoding, rejected = self.scheduler.schedule()
         if not self.speculates(decoding):
+            self.drafters.clear()  # a drafter's cache may hold a whole context: only the speculating keep one
             return self.run(prefills, decoding, rejected)  # notebook 12's step
         drafts = [draft_tokens(self.manager, seq, *drafter_of(self.drafters, self.drafter, self.num_draft, seq))
                   for seq in decoding]

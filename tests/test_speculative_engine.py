@@ -149,6 +149,15 @@ def test_above_max_batch_the_engine_steps_plainly(smollm2):
     engine = SpeculativeEngine(model, tokenizer, num_blocks=64, drafter=sp.NgramDrafter(), max_batch=1)
     assert answers(engine, prompts, [8, 16, 40]) == plain
     assert 0 < engine.stats.emitted <= 40 - 16  # only the longest request, alone, speculated
+    engine = SpeculativeEngine(model, tokenizer, num_blocks=64, drafter=sp.int4_drafter(model), max_batch=1)
+    first = engine.add_request(prompts[0], None, 40, eos_token_ids=())
+    for _ in range(3):  # its prefill, then two speculating steps alone
+        engine.step()
+    assert list(engine.drafters) == [first]
+    for ids in prompts[1:]:
+        engine.add_request(ids, None, 16, eos_token_ids=())
+    engine.step(), engine.step()  # the two prefill (the first speculates on), then three decode
+    assert not engine.drafters  # a drafter's cache may hold a context: only the speculating keep one
 
 
 def test_bad_arguments_name_the_problem(smollm2):
