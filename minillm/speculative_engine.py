@@ -113,12 +113,8 @@ class SpeculativeEngine(Engine):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SpeculativeEngine: {name} must be an int >= 1, got {value!r}")
         self.drafter, self.num_draft, self.max_batch = drafter, num_draft, max_batch
-        self.drafters: dict[int, list] = {}  # sequence id -> [its drafter, its k now]
+        self.drafters: dict[int, list] = {}  # id -> [its drafter, its k now], for the last step's speculating
         self.stats = SpeculationStats()
-
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        super()._finish(seq, reason, error)
-        self.drafters.pop(seq.id, None)
 
     def speculates(self, decoding: list[Sequence]) -> bool:
         """Draft this step? While few decode; never for a constrained (nb 18) or LoRA (nb 19) row."""
@@ -128,10 +124,10 @@ class SpeculativeEngine(Engine):
     def step(self) -> list[Output]:
         prefills, decoding, rejected = self.scheduler.schedule()
         if not self.speculates(decoding):
-            self.drafters.clear()  # a drafter's cache may hold a whole context: only the speculating keep one
+            self.drafters = {}  # a drafter's cache may hold a whole context: only the speculating keep one
             return self.run(prefills, decoding, rejected)  # notebook 12's step
-        drafts = [draft_tokens(self.manager, seq, *drafter_of(self.drafters, self.drafter, self.num_draft, seq))
-                  for seq in decoding]
+        self.drafters = {seq.id: drafter_of(self.drafters, self.drafter, self.num_draft, seq) for seq in decoding}
+        drafts = [draft_tokens(self.manager, seq, *self.drafters[seq.id]) for seq in decoding]
         outputs = self.run(prefills, [], rejected)  # the prompt chunks (and the block copies drafting made)
         logits = forward_verify(self.model, self.cache, self.manager, decoding, [d for d, _ in drafts])
         for seq, (draft, q), rows in zip(decoding, drafts, logits.split([1 + len(d) for d, _ in drafts])):
