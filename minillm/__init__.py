@@ -6,11 +6,13 @@
     llm = minillm.load(fast=True, quantize="int4")     # the fast path with int4 weights
     print(llm.chat([{"role": "user", "content": "Hello!"}]).text)
 
-Each module is built in a notebook (see the README's "How the code is organised"); `load` and
-`LLM` are minillm/api.py, from notebooks/10_generate.ipynb.
+The package is one folder per concept, in layers that import only downward (docs/architecture.md):
+utils, model, weights and cache, text and speed, runtime, parallel, then the front doors: api
+(`load`, `LLM`, from notebooks/10_generate.ipynb), serve, bench, check and the CLI (__main__).
 """
 
 from minillm.api import LLM, load
+from minillm.runtime.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "load"]
+__all__ = ["LLM", "SamplingParams", "load"]

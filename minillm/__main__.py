@@ -27,19 +27,19 @@ from functools import partial
 from pathlib import Path
 
 from minillm.api import load
-from minillm.constrained import check_response_format
-from minillm.embedded import embedded_gguf_path
-from minillm.generate import stream
-from minillm.gguf_file import read_gguf
-from minillm.lora import MultiLoRA, read_adapter
-from minillm.sampling import SamplingParams
-from minillm.server import PREFILL_CHUNK, serve
-from minillm.server_ops import read_keys
-from minillm.speculative import SpeculationStats
-from minillm.speculative import stream as speculative_stream
-from minillm.speculative_engine import SpeculativeEngine
-from minillm.tensor_parallel import RankLost
-from minillm.tp_runtime import Control, LeadEngine, follow, read_line
+from minillm.text.constrained import check_response_format
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.generate import stream
+from minillm.weights.gguf_file import read_gguf
+from minillm.weights.lora import MultiLoRA, read_adapter
+from minillm.runtime.sampling import SamplingParams
+from minillm.serve.server import PREFILL_CHUNK, serve
+from minillm.serve.ops import read_keys
+from minillm.runtime.speculative import SpeculationStats
+from minillm.runtime.speculative import stream as speculative_stream
+from minillm.runtime.speculative_engine import SpeculativeEngine
+from minillm.parallel.tensor_parallel import RankLost
+from minillm.parallel.lockstep import Control, LeadEngine, follow, read_line
 
 
 def gguf_summary(path: Path) -> dict:

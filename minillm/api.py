@@ -14,22 +14,22 @@ from pathlib import Path
 
 import torch
 
-from minillm.constrained import Constraints
-from minillm.devices import parse_device, parse_dtype
-from minillm.embedded import embedded_gguf_path
-from minillm.fast import FastCausalLM
-from minillm.generate import Completion, Step, collect, stream
-from minillm.hub import download
-from minillm.lora import merge_adapter, read_adapter
-from minillm.model import CausalLM
-from minillm.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
-from minillm.sampling import SamplingParams
-from minillm.speculative import ModelDrafter, NgramDrafter, int4_drafter
-from minillm.speculative import stream as speculative_stream
-from minillm.tensor_parallel import load_rank_shard
-from minillm.tokenizer import Tokenizer
-from minillm.tools import call_format, check_tools, encode_with_tools, parse_tool_calls
-from minillm.weights import load_model
+from minillm.text.constrained import Constraints
+from minillm.model.devices import parse_device, parse_dtype
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.speed.fast import FastCausalLM
+from minillm.runtime.generate import Completion, Step, collect, stream
+from minillm.weights.hub import download
+from minillm.weights.lora import merge_adapter, read_adapter
+from minillm.model.decoder import CausalLM
+from minillm.speed.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
+from minillm.runtime.sampling import SamplingParams
+from minillm.runtime.speculative import ModelDrafter, NgramDrafter, int4_drafter
+from minillm.runtime.speculative import stream as speculative_stream
+from minillm.parallel.tensor_parallel import load_rank_shard
+from minillm.text.tokenizer import Tokenizer
+from minillm.text.tool_calls import call_format, check_tools, encode_with_tools, parse_tool_calls
+from minillm.weights.loading import load_model
 
 
 class LLM:
@@ -83,7 +83,7 @@ class LLM:
 
 
 def make_drafter(model, speculative):
-    """The drafter for speculative decoding (minillm/speculative.py): "ngram" (prompt lookup),
+    """The drafter for speculative decoding (minillm/runtime/speculative.py): "ngram" (prompt lookup),
     "int4" (this model's own int4 fast path, built on each call), another LLM with the same
     tokenizer, or a drafter object as it is. The answer is the model's own either way."""
     if speculative == "ngram":

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.bench_peers import compile_cache_per_kernels
-from minillm.embedded import embedded_gguf_path
-from minillm.tokenizer import Tokenizer
-from minillm.weights import from_gguf
+from minillm.bench.peers import compile_cache_per_kernels
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.text.tokenizer import Tokenizer
+from minillm.weights.loading import from_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"  # reference logits and tokens from transformers (tools/make_reference_data.py)
@@ -47,6 +47,19 @@ def pytest_configure(config) -> None:
     """One torch.compile cache per CPU kernel set, for this process, the CLI subprocesses and the
     notebook kernels alike (compile_cache_per_kernels says why)."""
     compile_cache_per_kernels()
+
+
+# The files that take longest (measured with --durations on 2 cores), run first: `make test` hands
+# whole files to two xdist workers in collection order, so starting the longest early lets both
+# workers finish together instead of one waiting on a long notebook started last.
+LONGEST_FIRST = ("notebooks/19_lora.ipynb", "tests/test_tensor_parallel.py", "notebooks/20_tensor_parallel.ipynb",
+                 "notebooks/17_speculative.ipynb", "tests/test_constrained.py", "notebooks/12_engine.ipynb",
+                 "notebooks/15_performance.ipynb", "notebooks/18_structured_outputs.ipynb")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""minillm.attention against torch.nn.functional.scaled_dot_product_attention and transformers."""
+"""minillm.model.attention against torch.nn.functional.scaled_dot_product_attention and transformers."""
 
 from types import SimpleNamespace
 
@@ -9,7 +9,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.models.llama.modeling_llama import repeat_kv as hf_repeat_kv
 from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
-from minillm.attention import (
+from minillm.model.attention import (
     attention_mask,
     attention_weights,
     causal_mask,

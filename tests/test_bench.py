@@ -1,4 +1,4 @@
-"""The benchmark harness (minillm/bench.py) on the tiny fixture: its JSON, its ratios, its flags.
+"""The benchmark harness (minillm/bench/cli.py) on the tiny fixture: its JSON, its ratios, its flags.
 
 No timing asserts beyond positivity: speed is the benchmark's output, not a test."""
 
@@ -11,8 +11,8 @@ import numpy as np
 
 import pytest
 
-from minillm import bench, bench_peers, bench_serve, roofline
-from minillm.bench_speculative import ENGINE_BATCHES, TASKS
+from minillm.bench import cli as bench, peers as bench_peers, roofline, serve as bench_serve
+from minillm.bench.speculative import ENGINE_BATCHES, TASKS
 
 QUICK = ["--quick", "--tokens", "8", "--prompt-lengths", "16", "--requests", "4", "--repeats", "1",
          "--rate", "20", "--prefill-chunk", "16", "--peers", "llama.cpp"]
@@ -91,8 +91,8 @@ def test_ceilings_and_fractions(result):
 
 def test_own_ceiling_reads_the_variants_own_matrices(smollm2):
     """Every matrix a token reads, once, in the variant's own modules: the tied head's table included."""
-    from minillm.cpu_kernel import Int4DotLinear, Int8DotLinear
-    from minillm.fast import FastCausalLM
+    from minillm.speed.cpu_kernel import Int4DotLinear, Int8DotLinear
+    from minillm.speed.fast import FastCausalLM
 
     model = smollm2[0]
     readable = roofline.own_linears(model)

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from conftest import DATA
-from minillm import engine as engine_module
-from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine
-from minillm.generate import generate
-from minillm.model import from_folder
-from minillm.sequence import PREFILLING
-from minillm.tokenizer import Tokenizer
+from minillm.runtime import engine as engine_module
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.engine import Engine
+from minillm.runtime.generate import generate
+from minillm.model.decoder import from_folder
+from minillm.runtime.sequence import PREFILLING
+from minillm.text.tokenizer import Tokenizer
 
 FIXTURES = ["tiny-qwen3", "tiny-qwen2-untied", "tiny-llama"]
 

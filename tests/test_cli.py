@@ -13,7 +13,7 @@ import gguf
 import pytest
 
 from conftest import ROOT
-from minillm.embedded import embedded_gguf_path
+from minillm.weights.embedded import embedded_gguf_path
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""Structured outputs (minillm/grammar.py, minillm/constrained.py): the from-scratch DFA against json and jsonschema, its
+"""Structured outputs (minillm/text/grammar.py, minillm/text/constrained.py): the from-scratch DFA against json and jsonschema, its
 token masks against llguidance's, and sampled SmolLM2 answers that always validate."""
 
 import json
@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.api import LLM
-from minillm.constrained import Constraints, apply_constraints, check_response_format
-from minillm.grammar import DFA, MAX_DEPTH, UnsupportedSchema, any_json, schema_pattern
-from minillm.generate import generate_batch
-from minillm.sampling import SamplingParams
+from minillm.text.constrained import Constraints, apply_constraints, check_response_format
+from minillm.text.grammar import DFA, MAX_DEPTH, UnsupportedSchema, any_json, schema_pattern
+from minillm.runtime.generate import generate_batch
+from minillm.runtime.sampling import SamplingParams
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
           "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},

@@ -1,4 +1,4 @@
-"""minillm.cpu_kernel: the C++ int4/int8 kernel against its torch emulation, the float reference and torch's ops.
+"""minillm.speed.cpu_kernel: the C++ int4/int8 kernel against its torch emulation, the float reference and torch's ops.
 
 The kernel must build on every CI machine (x86-64 with AVX2, g++ and ninja): a machine where it
 cannot fails here with the reason, it is not skipped. The AVX2 build is checked in a subprocess
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm import cpu_kernel as ck
-from minillm.fast import FastCausalLM
-from minillm.quant import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from minillm.speed import cpu_kernel as ck
+from minillm.speed.fast import FastCausalLM
+from minillm.speed.quant import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,8 +139,8 @@ def test_smollm2_on_the_kernel_stays_the_int4_model(smollm2):
 def test_compiled_model_calls_the_ops():
     """torch.compile traces the ops through their registered shapes and calls them: decode equals eager."""
     from conftest import DATA
-    from minillm.kv_cache import make_cache
-    from minillm.model import from_folder
+    from minillm.cache.dense import make_cache
+    from minillm.model.decoder import from_folder
 
     tiny = from_folder(DATA / "tiny-llama")
     eager = FastCausalLM(tiny, quantize="int4")
@@ -156,7 +156,7 @@ def test_compiled_model_calls_the_ops():
 
 def test_the_avx2_build_agrees_too():
     """torch's AVX2 kernels choose our AVX2 build (maddubs, no VNNI): checked against the emulation."""
-    code = ("import torch; from minillm import cpu_kernel as ck; from minillm.quant import quantize_int4\n"
+    code = ("import torch; from minillm.speed import cpu_kernel as ck; from minillm.speed.quant import quantize_int4\n"
             "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability()\n"
             "assert ck.build_kernel() is None and '-mavx512vnni' not in ck.compiler_flags()\n"
             "q, s, z = quantize_int4(torch.randn(577, 1536), 64); x = torch.randn(11, 1536)\n"

@@ -1,11 +1,11 @@
-"""minillm.devices: the one home of device and dtype choice, the clock and the memory gauge."""
+"""minillm.model.devices: the one home of device and dtype choice, the clock and the memory gauge."""
 
 import time
 
 import pytest
 import torch
 
-from minillm.devices import (
+from minillm.model.devices import (
     default_dtype,
     parse_device,
     parse_dtype,

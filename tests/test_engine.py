@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import DATA
-from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine
-from minillm.generate import generate
-from minillm.model import from_folder
-from minillm.sampling import SamplingParams
-from minillm.tokenizer import Tokenizer
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.engine import Engine
+from minillm.runtime.generate import generate
+from minillm.model.decoder import from_folder
+from minillm.runtime.sampling import SamplingParams
+from minillm.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

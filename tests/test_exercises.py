@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from conftest import ROOT
-from minillm import attention, check, check_model, kv_cache, layers, model, paged_attention, paged_cache, quant, rope, sampling, tensor
+from minillm.model import attention, decoder as model, layers, rope, tensor
+from minillm import check
+from minillm.check import model as check_model
+from minillm.cache import dense as kv_cache, paged as paged_cache, paged_attention
+from minillm.speed import quant
+from minillm.runtime import sampling
 
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
@@ -169,11 +174,14 @@ def test_cli_checks_a_student_module(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- notebooks 06, 07, 10: GGUF rows, BPE, streaming, the loop
-# (minillm/check_loading.py: the stubs' calls, the references and the planted mistakes, used by the tests above and below)
+# (minillm/check/loading.py: the stubs' calls, the references and the planted mistakes, used by the tests above and below)
 
 import inspect  # noqa: E402
 
-from minillm import check_loading, generate, tokenizer, weights  # noqa: E402
+from minillm.check import loading as check_loading  # noqa: E402
+from minillm.runtime import generate
+from minillm.text import tokenizer
+from minillm.weights import loading as weights
 
 
 def test_loading_exercises_exist():
@@ -322,11 +330,13 @@ def test_bpe_reference_matches_tiktoken():
 
 
 # ---------------------------------------------------------------- notebooks 12, 14: the scheduler, the server's events
-# (minillm/check_engine.py: the stubs' calls, the references and the planted mistakes, used by the tests above and below)
+# (minillm/check/engine.py: the stubs' calls, the references and the planted mistakes, used by the tests above and below)
 
 from collections import deque  # noqa: E402
 
-from minillm import check_engine, engine, openai_protocol, server  # noqa: E402
+from minillm.check import engine as check_engine  # noqa: E402
+from minillm.runtime import engine
+from minillm.serve import openai_protocol, server
 
 
 def test_engine_exercises_exist():
@@ -490,9 +500,9 @@ def test_explorations_accept_plausible_numbers(capsys):
 
 
 # ---------------------------------------------------------------- the first versions of 02, 10, 13
-# (minillm/check_first_versions.py: lesson cells, not exported, so the reference is the notebook's own cell)
+# (minillm/check/first_versions.py: lesson cells, not exported, so the reference is the notebook's own cell)
 
-from minillm.check_harness import bounded  # noqa: E402
+from minillm.check.harness import bounded  # noqa: E402
 
 
 def _cell_defining(notebook: str, name: str) -> str:
@@ -564,9 +574,10 @@ def test_bounded_leaves_a_function_that_returns_alone():
     assert bounded(lambda n: sum(i for i in range(n)), "count")(1000) == 499500
 
 
-# ---------------------------------------------------------------- notebook 17: the sampling rule (minillm/check_speculative.py)
+# ---------------------------------------------------------------- notebook 17: the sampling rule (minillm/check/speculative.py)
 
-from minillm import check_speculative, speculative  # noqa: E402
+from minillm.check import speculative as check_speculative  # noqa: E402
+from minillm.runtime import speculative
 
 
 def _rule_variant(old: str, new: str, label: str):
@@ -584,9 +595,10 @@ SPECULATIVE_PLANTED = [
 ]
 
 
-# ---------------------------------------------------------------- notebook 19: serving many adapters (minillm/check_lora.py)
+# ---------------------------------------------------------------- notebook 19: serving many adapters (minillm/check/lora.py)
 
-from minillm import check_lora, lora  # noqa: E402
+from minillm.check import lora as check_lora  # noqa: E402
+from minillm.weights import lora
 
 
 def _multi_variant(old: str, new: str, label: str):
@@ -1126,11 +1138,11 @@ def test_grade_runs_as_a_module(tmp_path):
     assert result.stdout.split() == ["student", "08_kv_cache", "total", "dan", "0/1", "0/1"]
 
 
-# ---------------------------------------------------------------- exploration tasks (minillm/check_explore.py)
+# ---------------------------------------------------------------- exploration tasks (minillm/check/explore.py)
 # A question answered by a measurement and a sentence: a top-level solution region in the reference,
 # a stub in the exercise, a check that computes the reference number itself and names known slips.
 
-from minillm import check_explore  # noqa: E402
+from minillm.check import explore as check_explore  # noqa: E402
 
 EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of the feedback it gets)
     "transpose_copy_bytes": ((0, 2359296), (0, 589824), "numel() x element_size()"),
@@ -1302,6 +1314,6 @@ def test_check_path_a_module_whose_function_is_rebound_by_an_import(tmp_path, ca
     student = tmp_path / "student.py"
     student.write_text("import torch\n\ndef causal_mask(T, S, start=0, device=None):\n"
                        "    return torch.ones(T, S, dtype=torch.bool).tril()\n\n"  # ignores start: wrong
-                       "from minillm.attention import causal_mask\n")  # the package's, correct, over it
+                       "from minillm.model.attention import causal_mask\n")  # the package's, correct, over it
     assert check.check_path(student) == (0, 1)
     assert "offset by the cache position" in capsys.readouterr().out

@@ -173,6 +173,22 @@ def test_export_module_sends_a_cell_to_another_module(project, capsys):
     assert "minillm/geometry/shapes.py" in capsys.readouterr().out
 
 
+def test_export_makes_each_folder_a_package(project, capsys):
+    write_notebook(project, "45_cache.ipynb", [code("#| default_exp cache.paged.blocks"), code("#| export\nX = 1")])
+    assert export(project, "--check") == 1  # the module and both folders' __init__.py are missing
+    out = capsys.readouterr().out
+    assert "minillm/cache/__init__.py: missing" in out and "minillm/cache/paged/__init__.py: missing" in out
+    assert export(project) == 0
+    init = project / "minillm" / "cache" / "__init__.py"
+    assert init.read_text(encoding="utf-8").startswith('"""minillm.cache')
+    assert (project / "minillm" / "cache" / "paged" / "__init__.py").exists()
+    init.write_text('"""The KV cache, said by hand."""\n', encoding="utf-8")
+    assert export(project) == 0 and "said by hand" in init.read_text(encoding="utf-8")  # never overwritten
+    assert export(project, "--check") == 0
+    init.unlink()
+    assert export(project, "--check") == 1
+
+
 def test_export_module_errors_name_the_notebook(project, capsys):
     write_notebook(project, "50_a.ipynb", [code("#| export rope\ndef rope(): ...")])  # no default_exp needed
     write_notebook(project, "51_b.ipynb", [code("#| default_exp b"), code("#| export rope\nX = 1")])

@@ -1,4 +1,4 @@
-"""minillm.fast against the stored transformers logits, the readable model and its own int4 reference.
+"""minillm.speed.fast against the stored transformers logits, the readable model and its own int4 reference.
 
 The fast path must be the same model: the reference for it is transformers (stored logits and
 greedy tokens in data/) and, where no stored reference covers a case (padding, chunked prefill,
@@ -11,14 +11,14 @@ from safetensors.torch import load_file
 
 from conftest import DATA, TINY
 import minillm
-import minillm.fast as fast_module
-from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine
-from minillm.fast import FastCausalLM, fuse_linears
-from minillm.generate import generate
-from minillm.kv_cache import make_cache
-from minillm.model import from_folder
-from minillm.tokenizer import Tokenizer
+import minillm.speed.fast as fast_module
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.engine import Engine
+from minillm.speed.fast import FastCausalLM, fuse_linears
+from minillm.runtime.generate import generate
+from minillm.cache.dense import make_cache
+from minillm.model.decoder import from_folder
+from minillm.text.tokenizer import Tokenizer
 from tolerance import assert_logits_close
 
 
@@ -85,8 +85,8 @@ def test_quantized_fast_path_equals_its_dequantize_then_matmul_reference(smol, q
 
 
 def test_quantized_fast_path_keeps_a_tied_head_in_int8(smol):
-    from minillm.cpu_kernel import Int4DotLinear, Int8DotLinear
-    from minillm.quant import Int4Linear, Int8Embedding, Int8Linear
+    from minillm.speed.cpu_kernel import Int4DotLinear, Int8DotLinear
+    from minillm.speed.quant import Int4Linear, Int8Embedding, Int8Linear
 
     for kernel, head, linear in (("auto", Int8DotLinear, Int4DotLinear), ("packed", Int8Linear, Int4Linear)):
         fast = FastCausalLM(smol[0], quantize="int4", kernel=kernel)
@@ -160,7 +160,7 @@ def test_cli_fast_flag_and_its_errors(capsys):
 
 
 def test_load_fast_quantized_returns_the_fast_model():
-    from minillm.cpu_kernel import Int4DotLinear
+    from minillm.speed.cpu_kernel import Int4DotLinear
 
     llm = minillm.load(fast=True, quantize="int4")
     assert isinstance(llm.model, FastCausalLM) and isinstance(llm.model.layers[0].gate_up_proj, Int4DotLinear)

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import DATA
-from minillm.gguf_file import WeightsError
-from minillm.weights import from_gguf, load_folder
+from minillm.weights.gguf_file import WeightsError
+from minillm.weights.loading import from_gguf, load_folder
 from test_weights import _mutate_tensor_info, write_gguf
 
 FUZZ_EXAMPLES = int(os.environ.get("MINILLM_FUZZ_EXAMPLES", "60"))

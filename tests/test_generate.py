@@ -7,9 +7,9 @@ from safetensors.torch import load_file
 
 from conftest import DATA
 import minillm
-from minillm.generate import StopStrings, generate, generate_batch, stream
-from minillm.model import from_folder
-from minillm.sampling import SamplingParams
+from minillm.runtime.generate import StopStrings, generate, generate_batch, stream
+from minillm.model.decoder import from_folder
+from minillm.runtime.sampling import SamplingParams
 from tolerance import SMOLLM2_REL, logits_tolerance, top2_margin
 
 

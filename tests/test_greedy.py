@@ -6,7 +6,7 @@ checkpoints and SmolLM2-135M-Instruct), with end-of-turn disabled: transformers'
 ignore it. The stored greedy tokens are decided by margins far above the float tolerance
 (tests/test_reference_data.py checks that), so exact equality is a fair test on any CPU.
 
-Not here: SmolLM2 with its GGUF blocks kept quantized (minillm.quant.load_gguf_quantized). It
+Not here: SmolLM2 with its GGUF blocks kept quantized (minillm.speed.quant.load_gguf_quantized). It
 re-quantizes the embedding to int8 rows, so its logits are not transformers' float32 ones (its
 greedy run leaves the reference within a few tokens); tests/test_quant.py compares it with its
 dequantize-then-matmul reference in the same run instead.
@@ -20,10 +20,10 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY, greedy_by_teacher_forcing
-from minillm.engine import Engine
-from minillm.fast import FastCausalLM
-from minillm.generate import generate
-from minillm.model import from_folder
+from minillm.runtime.engine import Engine
+from minillm.speed.fast import FastCausalLM
+from minillm.runtime.generate import generate
+from minillm.model.decoder import from_folder
 
 N = 32
 

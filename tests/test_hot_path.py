@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from conftest import DATA
-from minillm import attention, cpu_kernel, quant, rope
-from minillm.fast import FastCausalLM
-from minillm.kv_cache import make_cache
-from minillm.model import from_folder
-from minillm.paged_cache import BlockManager, make_paged_cache, paged_forward
-from minillm.sampling import SamplingParams, sample
+from minillm.model import attention, rope
+from minillm.speed import cpu_kernel, quant
+from minillm.speed.fast import FastCausalLM
+from minillm.cache.dense import make_cache
+from minillm.model.decoder import from_folder
+from minillm.cache.paged import BlockManager, make_paged_cache, paged_forward
+from minillm.runtime.sampling import SamplingParams, sample
 
 
 def meta_ids(*shape: int) -> torch.Tensor:
@@ -43,7 +44,7 @@ def test_prefill_and_decode_read_nothing_back(meta_model):
 def test_a_planted_read_back_is_caught(monkeypatch):
     """The meta test can fail: a value check that runs on every device reads the ids back."""
     model = from_folder(DATA / "tiny-qwen3").to("meta")
-    monkeypatch.setattr("minillm.model.on_host", lambda t: True)
+    monkeypatch.setattr("minillm.model.decoder.on_host", lambda t: True)
     with pytest.raises((RuntimeError, NotImplementedError)):
         model(meta_ids(1, 3))
 

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from fake_hub import FakeHub
 from conftest import DATA
-from minillm.hub import download
-from minillm.weights import WeightsError, load_model
+from minillm.weights.hub import download
+from minillm.weights.loading import WeightsError, load_model
 from tolerance import assert_logits_close
 
 REPO_ID = "minillm-tests/tiny-qwen3"

@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY
-from minillm.kv_cache import ConcatKVCache, KVCache, kv_cache_bytes, make_cache
-from minillm.model import ModelConfig, from_folder
+from minillm.cache.dense import ConcatKVCache, KVCache, kv_cache_bytes, make_cache
+from minillm.model.decoder import ModelConfig, from_folder
 from tolerance import SMOLLM2_REL, assert_logits_close
 
 

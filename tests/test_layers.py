@@ -1,4 +1,4 @@
-"""minillm.layers against transformers' Qwen2RMSNorm, Qwen2MLP and LlamaMLP, and torch ops."""
+"""minillm.model.layers against transformers' Qwen2RMSNorm, Qwen2MLP and LlamaMLP, and torch ops."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
-from minillm.layers import MLP, RMSNorm, rms_norm
+from minillm.model.layers import MLP, RMSNorm, rms_norm
 
 SHAPES = [(64,), (3, 64), (2, 7, 64), (2, 3, 5, 32), (1, 1, 896)]
 

@@ -23,18 +23,18 @@ from conftest import DATA, ROOT, TINY
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from minillm import lora
+from minillm.weights import lora
 from minillm.__main__ import lora_specs
 from minillm.__main__ import build_parser
 from minillm.api import LLM, load
-from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine
-from minillm.generate import generate
-from minillm.model import from_folder
-from minillm.paged_cache import BlockManager
-from minillm.sampling import SamplingParams
-from minillm.server import BackgroundServer, create_app
-from minillm.tokenizer import Tokenizer
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.engine import Engine
+from minillm.runtime.generate import generate
+from minillm.model.decoder import from_folder
+from minillm.cache.paged import BlockManager
+from minillm.runtime.sampling import SamplingParams
+from minillm.serve.server import BackgroundServer, create_app
+from minillm.text.tokenizer import Tokenizer
 
 
 def peft_adapter(fixture: str, folder, dtype=torch.float64, seed: int = 0, rslora: bool = False):

@@ -1,4 +1,4 @@
-"""minillm.model against the stored transformers logits of the tiny checkpoints in data/.
+"""minillm.model.decoder against the stored transformers logits of the tiny checkpoints in data/.
 
 Besides matching the reference, the tests plant known bugs and check that the same
 comparison then fails: a reference that cannot catch a bug proves nothing.
@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY
-import minillm.model as model_module
-from minillm.attention import causal_mask
-from minillm.layers import RMSNorm
-from minillm.model import CausalLM, ModelConfig, from_folder, load_weights, rope_frequencies
-from minillm.rope import apply_rope, rope_cos_sin
+import minillm.model.decoder as model_module
+from minillm.model.attention import causal_mask
+from minillm.model.layers import RMSNorm
+from minillm.model.decoder import CausalLM, ModelConfig, from_folder, load_weights, rope_frequencies
+from minillm.model.rope import apply_rope, rope_cos_sin
 from tolerance import assert_logits_close
 
 

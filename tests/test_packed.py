@@ -1,4 +1,4 @@
-"""Packed (varlen) forwards (minillm/packed.py, notebook 12): a step's new tokens in one row, each
+"""Packed (varlen) forwards (minillm/cache/packed.py, notebook 12): a step's new tokens in one row, each
 sequence's attention kept apart, against the plain full recompute of every sequence alone; the
 model's tensor `logits_to_keep` against slicing the full logits; the engine's plan of a step;
 planted bugs the comparison must catch."""
@@ -10,18 +10,18 @@ import re
 import pytest
 import torch
 
-import minillm.engine as engine_module
-import minillm.packed as packed_module
+import minillm.runtime.engine as engine_module
+import minillm.cache.packed as packed_module
 from conftest import DATA
-from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine, forward_packed, forward_step, packed_batches
-from minillm.fast import FastCausalLM
-from minillm.generate import generate
-from minillm.model import from_folder
-from minillm.packed import packed_layout
-from minillm.paged_cache import BlockManager, make_paged_cache
-from minillm.sequence import Sequence
-from minillm.tokenizer import Tokenizer
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.engine import Engine, forward_packed, forward_step, packed_batches
+from minillm.speed.fast import FastCausalLM
+from minillm.runtime.generate import generate
+from minillm.model.decoder import from_folder
+from minillm.cache.packed import packed_layout
+from minillm.cache.paged import BlockManager, make_paged_cache
+from minillm.runtime.sequence import Sequence
+from minillm.text.tokenizer import Tokenizer
 
 TINY = ["tiny-qwen3", "tiny-llama", "tiny-qwen2-tied", "tiny-qwen2-untied"]
 

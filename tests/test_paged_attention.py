@@ -1,4 +1,4 @@
-"""Paged attention (minillm/paged_attention.py, notebook 11): the online softmax against torch's
+"""Paged attention (minillm/cache/paged_attention.py, notebook 11): the online softmax against torch's
 softmax, and attention read block by block through a block table against the gathered keys and
 torch's scaled_dot_product_attention, with planted bugs that the comparison must catch."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm import paged_attention
-from minillm.attention import causal_mask
-from minillm.paged_attention import SoftmaxState, empty_state, fold_block, paged_attention_reference
-from minillm.paged_cache import BlockManager, PagedKVCache, gather_reference, make_paged_cache, paged_forward
+from minillm.cache import paged_attention
+from minillm.model.attention import causal_mask
+from minillm.cache.paged_attention import SoftmaxState, empty_state, fold_block, paged_attention_reference
+from minillm.cache.paged import BlockManager, PagedKVCache, gather_reference, make_paged_cache, paged_forward
 
 
 def folded(scores: torch.Tensor, values: torch.Tensor, block: int) -> torch.Tensor:

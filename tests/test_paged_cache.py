@@ -8,9 +8,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY
-from minillm.kv_cache import make_cache
-from minillm.model import from_folder
-from minillm.paged_cache import (
+from minillm.cache.dense import make_cache
+from minillm.model.decoder import from_folder
+from minillm.cache.paged import (
     BatchLayout,
     BlockManager,
     PagedKVCache,

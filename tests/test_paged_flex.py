@@ -1,4 +1,4 @@
-"""Paged attention's fast path (minillm/paged_attention.py, notebook 11): FlexAttention reading the
+"""Paged attention's fast path (minillm/cache/paged_attention.py, notebook 11): FlexAttention reading the
 pool through the block tables, against the gathered keys and torch's scaled_dot_product_attention;
 the engine on that path against one-at-a-time generation; planted bugs the comparison must catch;
 the choice of path and its errors."""
@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import minillm.engine as engine_module
+import minillm.runtime.engine as engine_module
 from conftest import DATA
-from minillm import paged_attention
-from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine, forward_batch, paged_step
-from minillm.generate import generate
-from minillm.model import from_folder
-from minillm.paged_attention import BlockTableView, decode_layout, use_paged_attention
-from minillm.paged_cache import BlockManager, PagedKVCache, gather_reference, make_paged_cache
-from minillm.tokenizer import Tokenizer
+from minillm.cache import paged_attention
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.engine import Engine, forward_batch, paged_step
+from minillm.runtime.generate import generate
+from minillm.model.decoder import from_folder
+from minillm.cache.paged_attention import BlockTableView, decode_layout, use_paged_attention
+from minillm.cache.paged import BlockManager, PagedKVCache, gather_reference, make_paged_cache
+from minillm.text.tokenizer import Tokenizer
 
 TINY = ["tiny-qwen3", "tiny-llama", "tiny-qwen2-tied"]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-import minillm.engine as engine_module
+import minillm.runtime.engine as engine_module
 from minillm.api import LLM
-from minillm.engine import Engine, choice_params
-from minillm.sampling import SamplingParams
+from minillm.runtime.engine import Engine, choice_params
+from minillm.runtime.sampling import SamplingParams
 
 HOT = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
 

@@ -1,4 +1,4 @@
-"""minillm.quant (notebook 13): int8/int4 weight-only quantization, GGUF blocks, the quantized model.
+"""minillm.speed.quant (notebook 13): int8/int4 weight-only quantization, GGUF blocks, the quantized model.
 
 References: the formulas themselves (error within half a step), F.linear on the dequantized
 weight, the `gguf` package's dequantizer (bit-exact), the float32 model's logits, and the CLI.
@@ -22,10 +22,10 @@ from torch import nn
 
 from conftest import DATA, ROOT
 from minillm.api import load
-from minillm.embedded import embedded_gguf_path
-from minillm.evaluate import forced_choices, greedy_agreement, kl_divergence, perplexity
-from minillm.model import from_folder
-from minillm.quant import (
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.evaluate import forced_choices, greedy_agreement, kl_divergence, perplexity
+from minillm.model.decoder import from_folder
+from minillm.speed.quant import (
     GGUF_DEQUANTIZE,
     Int4Linear,
     Int8Embedding,

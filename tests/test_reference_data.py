@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import DATA, ROOT, TINY
-from minillm.hub import sha256_file
+from minillm.weights.hub import sha256_file
 from tolerance import SMOLLM2_REL, TINY_REL, assert_logits_close, logits_tolerance, top2_margin
 
 GREEDY_TOKENS = 32
@@ -260,7 +260,7 @@ def test_transformers_reproduces_tiny_greedy_on_long_sequence(name):
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    from minillm.embedded import embedded_gguf_path
+    from minillm.weights.embedded import embedded_gguf_path
 
     return embedded_gguf_path()
 

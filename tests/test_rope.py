@@ -1,4 +1,4 @@
-"""minillm.rope against Hugging Face transformers' rotary embedding, computed live.
+"""minillm.model.rope against Hugging Face transformers' rotary embedding, computed live.
 
 The reference values pasted into notebooks/03_rope.ipynb come from the same transformers
 classes used here: Qwen2RotaryEmbedding / Qwen3RotaryEmbedding / LlamaRotaryEmbedding for
@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_ha
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from minillm.rope import (
+from minillm.model.rope import (
     SUPPORTED_ROPE_TYPES,
     apply_rope,
     rope_cos_sin,

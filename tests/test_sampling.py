@@ -1,4 +1,4 @@
-"""minillm.sampling against transformers' logits processors, generate(num_beams=...) and statistics.
+"""minillm.runtime.sampling against transformers' logits processors, generate(num_beams=...) and statistics.
 
 Every processor is run next to its transformers twin on random logits and must give the same
 -inf positions and the same values (atol 1e-6). The sampler's histograms must match the
@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
 )
 
 from conftest import DATA
-from minillm.sampling import (
+from minillm.runtime.sampling import (
     SampleResult,
     SamplingParams,
     apply_penalties,

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from minillm.api import load
-from minillm.generate import generate
-from minillm.server import BackgroundServer, create_app
+from minillm.runtime.generate import generate
+from minillm.serve.server import BackgroundServer, create_app
 
 MODEL = "smollm2"
 QUESTIONS = ["What is the capital of France?", "Name a fruit.", "What is 2 + 2?", "Say hello.", "Name a colour.",
@@ -139,7 +139,7 @@ def test_seed_reproduces_a_sampled_answer(client, llm):
     kw = dict(model=MODEL, messages=messages(q), max_tokens=8, temperature=1.0, top_p=0.95)
     a, b = (client.chat.completions.create(seed=7, **kw).choices[0].message.content for _ in range(2))
     assert a == b
-    from minillm.sampling import SamplingParams
+    from minillm.runtime.sampling import SamplingParams
     ref = generate(llm.model, llm.tokenizer, llm.encode_chat(messages(q)), max_new_tokens=8,
                    params=SamplingParams(temperature=1.0, top_p=0.95, seed=7))
     assert a == ref.text

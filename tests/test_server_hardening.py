@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from minillm.api import LLM, load
-from minillm.engine import Engine
-from minillm.sampling import SamplingParams
-from minillm.server import BackgroundServer, create_app
+from minillm.runtime.engine import Engine
+from minillm.runtime.sampling import SamplingParams
+from minillm.serve.server import BackgroundServer, create_app
 from live_server import slow_steps, wait_until
 
 MODEL = "smollm2"
@@ -78,7 +78,7 @@ def test_a_burst_is_admitted_only_up_to_the_limit(live, monkeypatch):
 
 
 def test_a_failing_request_fails_alone_next_to_three_healthy_ones(llm, monkeypatch):
-    import minillm.engine as engine_module
+    import minillm.runtime.engine as engine_module
 
     real_sample = engine_module.sample
 
@@ -199,7 +199,7 @@ def test_bad_input_is_a_400_with_openai_json(live, case):
 
 def test_an_unexpected_error_is_a_json_500_and_the_server_goes_on(live, monkeypatch):
     app, client = live
-    import minillm.server as server_module
+    import minillm.serve.server as server_module
 
     def broken(*args, **kwargs):
         raise KeyError("planted")

@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minillm.api import LLM
-from minillm.server import BackgroundServer, create_app
-from minillm.server_ops import APIKeys, KeyLimits, TokenBucket, key_id, read_keys
+from minillm.serve.server import BackgroundServer, create_app
+from minillm.serve.ops import APIKeys, KeyLimits, TokenBucket, key_id, read_keys
 from live_server import slow_steps, wait_until
 
 MODEL = "smollm2"

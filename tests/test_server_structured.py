@@ -11,10 +11,10 @@ import pydantic
 import pytest
 
 from minillm.api import load
-from minillm.engine import Engine
-from minillm.generate import generate
-from minillm.sampling import SamplingParams
-from minillm.server import BackgroundServer, create_app
+from minillm.runtime.engine import Engine
+from minillm.runtime.generate import generate
+from minillm.runtime.sampling import SamplingParams
+from minillm.serve.server import BackgroundServer, create_app
 
 MODEL = "smollm2"
 POINT = {"type": "object", "additionalProperties": False, "required": ["x", "y"],

@@ -1,4 +1,4 @@
-"""Speculative decoding (minillm/speculative.py): greedy output identical to plain greedy decoding for
+"""Speculative decoding (minillm/runtime/speculative.py): greedy output identical to plain greedy decoding for
 every drafter, the sampling rule's output distributed exactly as the model's (a planted bug fails),
 and rejected positions rolled back in both caches."""
 
@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY
-from minillm import speculative as sp
+from minillm.runtime import speculative as sp
 from minillm.api import LLM
-from minillm.generate import generate
-from minillm.kv_cache import make_cache
-from minillm.model import from_folder
-from minillm.sampling import SamplingParams
+from minillm.runtime.generate import generate
+from minillm.cache.dense import make_cache
+from minillm.model.decoder import from_folder
+from minillm.runtime.sampling import SamplingParams
 
 SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little"]
 

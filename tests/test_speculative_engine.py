@@ -1,4 +1,4 @@
-"""Speculation inside the engine (minillm/speculative_engine.py): greedy answers and logprobs equal to
+"""Speculation inside the engine (minillm/runtime/speculative_engine.py): greedy answers and logprobs equal to
 the plain engine's for every drafter, with rejections forced at the first and the last draft, small
 blocks and a pool short of blocks; the blocks of rejected drafts given back (checked against a
 manager that never saw them); sampling seeded; fallback above max_batch; bad arguments."""
@@ -13,15 +13,15 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, TINY
-from minillm import speculative as sp
+from minillm.runtime import speculative as sp
 from minillm.api import LLM
-from minillm.engine import Engine
-from minillm.generate import generate
-from minillm.model import from_folder
-from minillm.paged_cache import BlockManager
-from minillm.sampling import SamplingParams
-from minillm.server import BackgroundServer, create_app
-from minillm.speculative_engine import SpeculativeEngine, rollback
+from minillm.runtime.engine import Engine
+from minillm.runtime.generate import generate
+from minillm.model.decoder import from_folder
+from minillm.cache.paged import BlockManager
+from minillm.runtime.sampling import SamplingParams
+from minillm.serve.server import BackgroundServer, create_app
+from minillm.runtime.speculative_engine import SpeculativeEngine, rollback
 
 SMOL_PROMPTS = ["The capital of France is", "Repeat after me: one two three, one two three, one two",
                 "def fibonacci(n):"]
@@ -122,7 +122,7 @@ def test_a_planted_bug_in_the_rollback_fails(smollm2, monkeypatch):
     model, tokenizer = smollm2
     prompts = [tokenizer.encode(p) for p in SMOL_PROMPTS[:2]]
     plain = answers(Engine(model, tokenizer, num_blocks=64, block_size=4), prompts, 24)
-    from minillm import speculative_engine
+    from minillm.runtime import speculative_engine
     monkeypatch.setattr(speculative_engine, "rollback", lambda manager, seq_id, num_tokens: None)
     drafter = ScriptedDrafter({tuple(p): a["token_ids"] for p, a in zip(prompts, plain)}, 0, 49152)
     engine = SpeculativeEngine(model, tokenizer, num_blocks=64, block_size=4, drafter=drafter)

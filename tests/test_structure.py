@@ -1,8 +1,8 @@
-"""The package's shape, read from its source with ast: layers that import only downward, no
-import cycle, no import inside a function (but the documented optional ones), short modules.
+"""The package's shape, read from its source with ast: folders in layers that import only
+downward, no import cycle, no import inside a function (but the documented optional ones), short
+modules.
 
-The layers are drawn in the README ("How the code is organised"); a new module must be placed
-in one of them here.
+The layers are drawn in docs/architecture.md; a new folder must be placed in one of them here.
 """
 
 from __future__ import annotations
@@ -14,63 +14,111 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
 
-LAYERS = {  # bottom to top: a module imports from its own layer or the ones below, never above
-    "primitives": {"tensor", "devices", "grammar", "constrained", "tools", "gguf_file", "chat_template", "attention", "rope", "layers", "sampling", "tokenizer", "embedded", "diagram"},
-    "model and storage": {"model", "kv_cache", "paged_checks", "paged_cache", "paged_attention", "packed", "hub", "weights", "quant", "cpu_kernel_cpp", "cpu_kernel", "lora", "tensor_parallel"},
-    "runtime": {"fast", "generate", "sequence", "engine", "evaluate", "speculative", "speculative_engine", "tp_runtime"},
-    "front doors": {"api", "server", "server_ops", "openai_protocol", "__main__", "bench", "bench_engine", "bench_speculative", "bench_lora", "bench_serve", "bench_paged", "bench_tp", "bench_peers", "roofline", "check", "check_harness", "check_model", "check_loading", "check_serving", "check_explore", "check_engine", "check_first_versions", "check_speculative", "check_lora",
-                    "__init__"},
-}
-LEVEL = {module: level for level, modules in enumerate(LAYERS.values()) for module in modules}
+# Bottom to top. A module imports from its own folder or from a folder of a lower layer, never from
+# a folder beside it or above it. The top-level modules (api, __main__, __init__) are placed too.
+LAYERS = [
+    {"utils"},             # the notebooks' diagrams, the boundary checks
+    {"model"},             # tensors, attention, RoPE, norms and MLP, the decoder
+    {"weights", "cache"},  # files in; the KV cache, dense, paged and packed
+    {"text", "speed"},     # tokenizer, template, grammar; quantization, the CPU kernel, the fast path
+    {"runtime"},           # sampling, generation, the engine, speculative decoding
+    {"parallel"},          # tensor parallelism
+    {"api"},               # minillm.load and LLM
+    {"serve"},             # the OpenAI-compatible server
+    {"bench"},             # the benchmark (it measures the server too)
+    {"check", "__main__"}, # the student's checks (they use the benchmark's helpers); the CLI
+    {"__init__"},
+]
+LEVEL = {folder: level for level, folders in enumerate(LAYERS) for folder in folders}
 
 # Imports that may sit inside a function, each for a reason written beside it in the module.
 IMPORTED_ON_USE = {
-    ("bench", "transformers"),  # the peer, installed for tests and benchmarks only
-    ("bench", "transformers.utils"),
-    ("bench_lora", "peft"),
-    ("bench_peers", "llama_cpp"),  # llama.cpp, the optional peer of the decode section (pip install llama-cpp-python)  # the peer of the lora section, installed for tests and benchmarks only
-    ("bench_serve", "transformers"),  # the peers of the serve section, installed for tests and benchmarks only
-    ("cpu_kernel", "torch.utils.cpp_extension"),  # the C++ builder, loaded only to build the kernel
-    ("cpu_kernel", "ninja"),  # the pip package's build tool, only where none is on PATH
-    ("hub", "huggingface_hub"),  # reads HF_HOME / HF_ENDPOINT when first imported
-    ("hub", "huggingface_hub.errors"),
+    ("bench.cli", "transformers"),  # the peer, installed for tests and benchmarks only
+    ("bench.cli", "transformers.utils"),
+    ("bench.lora", "peft"),  # the peer of the lora section, installed for tests and benchmarks only
+    ("bench.peers", "llama_cpp"),  # llama.cpp, the optional peer of the decode section (pip install llama-cpp-python)
+    ("bench.serve", "transformers"),  # the peers of the serve section, installed for tests and benchmarks only
+    ("speed.cpu_kernel", "torch.utils.cpp_extension"),  # the C++ builder, loaded only to build the kernel
+    ("speed.cpu_kernel", "ninja"),  # the pip package's build tool, only where none is on PATH
+    ("weights.hub", "huggingface_hub"),  # reads HF_HOME / HF_ENDPOINT when first imported
+    ("weights.hub", "huggingface_hub.errors"),
 }
 
 MAX_LINES = 450
 
 
+def module_name(path: Path) -> str:
+    """minillm/cache/paged.py -> 'cache.paged'; minillm/check/__init__.py -> 'check'; minillm/api.py -> 'api'."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
 def modules() -> dict[str, ast.Module]:
-    return {path.stem: ast.parse(path.read_text(encoding="utf-8"), str(path)) for path in sorted(PACKAGE.glob("*.py"))}
+    return {module_name(path): ast.parse(path.read_text(encoding="utf-8"), str(path))
+            for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def folder(module: str) -> str:
+    """The layer unit a module belongs to: its folder, or itself at the top of the package."""
+    return module.split(".")[0]
 
 
 def imported(node: ast.Import | ast.ImportFrom) -> list[str]:
-    """Full module names an import statement reads (`from minillm import api` -> minillm.api)."""
+    """Full module names an import statement reads (`from minillm.cache import paged` -> minillm.cache.paged)."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     if node.level:  # relative imports are not used in this package
         return [f"<relative {node.module}>"]
-    if node.module == "minillm":
-        return [f"minillm.{alias.name}" for alias in node.names]
+    if node.module and node.module.startswith("minillm"):
+        return [f"{node.module}.{alias.name}" for alias in node.names]
     return [node.module]
 
 
-def minillm_imports(tree: ast.Module) -> set[str]:
-    return {name.split(".")[1] for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-            for name in imported(node) if name.startswith("minillm.")}
+def minillm_imports(tree: ast.Module, known: set[str]) -> set[str]:
+    """The package's modules a module imports (a name imported from a module counts as that module)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for name in imported(node):
+                if name.startswith("minillm."):
+                    dotted = name.removeprefix("minillm.")
+                    while dotted and dotted not in known:
+                        dotted = dotted.rpartition(".")[0]
+                    found.add(dotted or "__init__")
+    return found
 
 
-def test_every_module_has_a_layer():
-    assert set(modules()) == set(LEVEL), "place new modules in LAYERS (and the README's drawing)"
+def graph() -> dict[str, set[str]]:
+    trees = modules()
+    known = set(trees) | {"__init__"}
+    return {name: minillm_imports(tree, known) - {name} for name, tree in trees.items()}
+
+
+def test_every_folder_has_a_layer_and_an_init():
+    folders = {folder(name) for name in modules()}
+    assert folders == set(LEVEL), "place new folders in LAYERS (and docs/architecture.md's drawing)"
+    missing = [p.parent.name for p in PACKAGE.rglob("*.py") if not (p.parent / "__init__.py").exists()]
+    assert missing == []
+
+
+def wrong_imports(imports: dict[str, set[str]]) -> list[str]:
+    """Each import of a module in a folder beside or above the importer's."""
+    return [f"{name} imports {dep}" for name, deps in imports.items() for dep in sorted(deps)
+            if folder(dep) != folder(name) and LEVEL[folder(dep)] >= LEVEL[folder(name)]]
 
 
 def test_imports_go_only_downward():
-    upward = [f"{name} ({level_name(name)}) imports {dep} ({level_name(dep)})"
-              for name, tree in modules().items() for dep in sorted(minillm_imports(tree)) if LEVEL[dep] > LEVEL[name]]
-    assert upward == []
+    assert wrong_imports(graph()) == []
 
 
-def level_name(module: str) -> str:
-    return list(LAYERS)[LEVEL[module]]
+def test_the_layer_check_catches_sideways_and_upward_imports():  # the rule itself, on planted imports
+    planted = {"cache.paged": {"weights.lora", "model.attention"}, "model.decoder": {"runtime.engine"},
+               "runtime.engine": {"model.decoder", "runtime.sequence"}}
+    assert wrong_imports(planted) == ["cache.paged imports weights.lora", "model.decoder imports runtime.engine"]
+    tree = ast.parse("from minillm.weights import lora\nfrom minillm.runtime.engine import Engine\nimport minillm\n")
+    assert minillm_imports(tree, {"weights.lora", "runtime.engine"}) == {"weights.lora", "runtime.engine"}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -98,8 +146,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle():
-    graph = {name: minillm_imports(tree) - {name} for name, tree in modules().items()}
-    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    cycle = find_cycle(graph())
+    assert cycle is None, " -> ".join(cycle)
 
 
 def test_find_cycle_finds_one():  # the checker itself, on a planted cycle
@@ -118,7 +166,7 @@ def test_no_import_inside_a_function():
     assert inside == []
 
 
-@pytest.mark.parametrize("name", sorted(LEVEL))
-def test_module_length(name):
-    lines = len((PACKAGE / f"{name}.py").read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_LINES, f"minillm/{name}.py has {lines} lines"
+@pytest.mark.parametrize("path", sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")))
+def test_module_length(path):
+    lines = len((PACKAGE / path).read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"minillm/{path} has {lines} lines"

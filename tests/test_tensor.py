@@ -1,11 +1,11 @@
-"""minillm.tensor against PyTorch: values, shapes, strides and storage offsets."""
+"""minillm.model.tensor against PyTorch: values, shapes, strides and storage offsets."""
 
 import random
 
 import pytest
 import torch
 
-from minillm.tensor import (
+from minillm.model.tensor import (
     Layout,
     Storage,
     Tensor,

@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 from tp_worker import engine_prompts  # the prompts the ranks run
 
 from minillm.__main__ import main
-from minillm.embedded import embedded_gguf_path
-from minillm.generate import generate
-from minillm.gguf_file import read_gguf
-from minillm.model import ModelConfig, from_folder
-from minillm.tensor_parallel import Split, check_split, shard
-from minillm.tokenizer import Tokenizer
-from minillm.weights import gguf_config
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.generate import generate
+from minillm.weights.gguf_file import read_gguf
+from minillm.model.decoder import ModelConfig, from_folder
+from minillm.parallel.tensor_parallel import Split, check_split, shard
+from minillm.text.tokenizer import Tokenizer
+from minillm.weights.loading import gguf_config
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"

@@ -1,4 +1,4 @@
-"""minillm.tokenizer against tiktoken (Qwen), transformers (SmolLM2 GGUF, chat templates) and
+"""minillm.text.tokenizer against tiktoken (Qwen), transformers (SmolLM2 GGUF, chat templates) and
 data/smollm2/reference.json; bad input; planted bugs that the comparisons must catch."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, normalizers
 
 from conftest import ROOT
-from minillm.chat_template import TEMPLATE_SECONDS, render_chat
-from minillm.embedded import embedded_gguf_path
-from minillm.tokenizer import (
+from minillm.text.chat_template import TEMPLATE_SECONDS, render_chat
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.text.tokenizer import (
     QWEN_ADDED_TOKENS,
     QWEN_PATTERN,
     StreamDecoder,

@@ -1,4 +1,4 @@
-"""Tool calls (minillm/tools.py): checks, the forced-call format, messages for templates with and
+"""Tool calls (minillm/text/tool_calls.py): checks, the forced-call format, messages for templates with and
 without tools, and parsing answers into OpenAI's tool_calls."""
 
 import json
@@ -6,10 +6,10 @@ import json
 import pytest
 
 from minillm.api import LLM
-from minillm.chat_template import render_chat
-from minillm.constrained import Constraints
-from minillm.grammar import DFA, schema_pattern
-from minillm.tools import CLOSE, OPEN, call_format, check_tools, parse_tool_calls, template_messages
+from minillm.text.chat_template import render_chat
+from minillm.text.constrained import Constraints
+from minillm.text.grammar import DFA, schema_pattern
+from minillm.text.tool_calls import CLOSE, OPEN, call_format, check_tools, parse_tool_calls, template_messages
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["a", "b"],

@@ -1,4 +1,4 @@
-"""minillm.weights: GGUF and safetensors loading against the stored transformers references.
+"""minillm.weights.loading: GGUF and safetensors loading against the stored transformers references.
 
 GGUF: the embedded SmolLM2-135M-Instruct (Q4_1/Q8_0) against transformers' logits of the same
 file, and the tiny checkpoints converted here to GGUF (llama.cpp names, dims and q/k permutation,
@@ -20,9 +20,9 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 from conftest import DATA, TINY
-import minillm.weights as weights
-from minillm.model import CausalLM, ModelConfig
-from minillm.weights import (
+import minillm.weights.loading as weights
+from minillm.model.decoder import CausalLM, ModelConfig
+from minillm.weights.loading import (
     WeightsError,
     checkpoint_files,
     from_gguf,
@@ -520,7 +520,7 @@ def test_config_is_the_model_config():
 @pytest.mark.parametrize("name", ["tiny-qwen2-untied", "tiny-qwen3"])
 def test_stream_safetensors_equals_the_safetensors_library(name):
     """Our memory-mapped reader against safetensors' own: same names, dtypes, shapes and bytes."""
-    from minillm.weights import read_safetensors_header, stream_safetensors
+    from minillm.weights.loading import read_safetensors_header, stream_safetensors
 
     path = DATA / name / "model.safetensors"
     theirs = load_file(path)

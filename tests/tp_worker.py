@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from minillm.embedded import embedded_gguf_path
-from minillm.engine import Engine
-from minillm.generate import generate
-from minillm.tensor_parallel import RankLost, init_tensor_parallel, load_shard
-from minillm.tokenizer import Tokenizer
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.runtime.engine import Engine
+from minillm.runtime.generate import generate
+from minillm.parallel.tensor_parallel import RankLost, init_tensor_parallel, load_shard
+from minillm.text.tokenizer import Tokenizer
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 TINY = ("tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama")

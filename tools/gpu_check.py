@@ -42,13 +42,13 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from minillm.embedded import embedded_gguf_path  # noqa: E402
-from minillm.engine import Engine  # noqa: E402
-from minillm.fast import FastCausalLM  # noqa: E402
-from minillm.generate import generate  # noqa: E402
-from minillm.model import from_folder  # noqa: E402
-from minillm.tokenizer import Tokenizer  # noqa: E402
-from minillm.weights import from_gguf  # noqa: E402
+from minillm.weights.embedded import embedded_gguf_path  # noqa: E402
+from minillm.runtime.engine import Engine  # noqa: E402
+from minillm.speed.fast import FastCausalLM  # noqa: E402
+from minillm.runtime.generate import generate  # noqa: E402
+from minillm.model.decoder import from_folder  # noqa: E402
+from minillm.text.tokenizer import Tokenizer  # noqa: E402
+from minillm.weights.loading import from_gguf  # noqa: E402
 
 TINY = ("tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama")
 FLOAT32_ATOL = 1e-4  # tiny fixtures, float32: absolute (their logits' std is about 4.2)

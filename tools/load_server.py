@@ -26,7 +26,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.", "Tell me a 
 def start_server(max_in_flight: int):
     """The embedded model behind minillm's server on a free 127.0.0.1 port, in a background thread."""
     from minillm.api import load
-    from minillm.server import BackgroundServer, create_app
+    from minillm.serve.server import BackgroundServer, create_app
 
     return BackgroundServer(create_app(load(device="cpu"), num_blocks=1024, max_in_flight=max_in_flight))
 

@@ -32,7 +32,7 @@ measurement; it is named by the last name it assigns at its top level, its answe
 
 It becomes `raise NotImplementedError("exercise: compute crossover; see the Hint below")`; it needs
 a `hint crossover` cell like a stub (placed after it), but no check cell is added: the reference
-notebook writes its own, `check.explore_crossover(crossover)` (minillm/check_explore.py), which
+notebook writes its own, `check.explore_crossover(crossover)` (minillm/check/explore.py), which
 computes the reference number itself. Explorations are recorded in metadata["minillm"]["explore"],
 not in "stubs" (`python -m minillm.check` runs only the exported cells; the sentence is for a
 teacher to read). In a markdown cell, the lines between `<!-- BEGIN SOLUTION -->` and

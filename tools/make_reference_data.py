@@ -33,7 +33,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from minillm.hub import sha256_file
+from minillm.weights.hub import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -236,7 +236,7 @@ def build_smollm2() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT))
-    from minillm.embedded import PIP_NAME, embedded_gguf_path
+    from minillm.weights.embedded import PIP_NAME, embedded_gguf_path
 
     gguf = embedded_gguf_path()
     folder = DATA / "smollm2"

@@ -1,9 +1,9 @@
 """Export notebook cells into the minillm package (standard library only).
 
 Markup (compatible with nbdev):
-    #| default_exp attention   in a code cell: this notebook's module is minillm/attention.py
+    #| default_exp attention   in a code cell: this notebook's module is minillm/model/attention.py
     #| export                  on a code cell: the cell's code belongs in that module
-    #| export rope             on a code cell: the cell's code belongs in minillm/rope.py, so one
+    #| export rope             on a code cell: the cell's code belongs in minillm/model/rope.py, so one
                                notebook can teach one idea and put each piece where it belongs
     ### BEGIN SOLUTION         nbgrader-style marker lines around an exercise's solution
     ### END SOLUTION           (tools/make_exercises.py); the module drops these two lines
@@ -103,9 +103,22 @@ def collect(root: Path = ROOT) -> dict[Path, tuple[Path, str]]:
     return modules
 
 
+def package_inits(modules: dict[Path, tuple[Path, str]], root: Path = ROOT) -> list[Path]:
+    """The __init__.py of every folder between minillm/ and a module, which makes it a package."""
+    inits = set()
+    for path in modules:
+        folder = path.parent
+        while folder != root / "minillm":
+            inits.add(folder / "__init__.py")
+            folder = folder.parent
+    return sorted(inits)
+
+
 def stale(modules: dict[Path, tuple[Path, str]], root: Path = ROOT) -> list[str]:
-    """Describe each module whose file differs from its notebook, and generated modules no notebook makes."""
-    problems = []
+    """Describe each module whose file differs from its notebook, generated modules no notebook makes,
+    and folders that are not packages."""
+    problems = [f"{init.relative_to(root)}: missing (run: python tools/nbexport.py)"
+                for init in package_inits(modules, root) if not init.exists()]
     for path in sorted((root / "minillm").rglob("*.py")):
         if path not in modules and path.read_text(encoding="utf-8").startswith(HEADER_PREFIX):
             problems.append(f"{path.relative_to(root)}: generated, but no notebook exports it (delete it?)")
@@ -136,10 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         for line in problems:
             print(line)
         return 1 if problems else 0
+    for init in package_inits(modules, root):
+        if not init.exists():
+            init.parent.mkdir(parents=True, exist_ok=True)
+            init.write_text(f'"""minillm.{init.parent.name}: modules built in the notebooks."""\n', encoding="utf-8")
+            print(f"wrote {init.relative_to(root)}")
     for path, (notebook, text) in modules.items():
         if only and notebook.name not in only:
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
             print(f"wrote {path.relative_to(root)} from {notebook.relative_to(root)}")

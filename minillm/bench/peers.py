@@ -1,0 +1,89 @@
+"""The benchmark's peers and the machine they ran on (plumbing, not a lesson).
+
+Each peer is a runner with minillm's signature, run(prompt ids, n) -> (seconds, n generated ids):
+greedy, exactly n tokens (end-of-sequence does not stop it), so `bench.measure` times every side
+the same way: decode tok/s = (n - 1) / (t(n) - t(1)).
+
+- transformers: its public greedy `generate` (also with prompt lookup, for the speculative section).
+- llama.cpp: llama-cpp-python on the same GGUF file, the same threads, its own greedy argmax over the
+  logits it returns. An optional extra: `pip install llama-cpp-python` builds llama.cpp from source
+  (4-10 minutes on 2 cores; LLAMA_CPP_INSTALL says how to build it where AMX is advertised but
+  forbidden). Absent, its rows are listed under "skipped" with the reason.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import platform
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minillm.speed.cpu_kernel import cpu_flags
+
+LLAMA_CPP_INSTALL = ('pip install llama-cpp-python (builds llama.cpp, 4-10 minutes; where AMX is advertised but '
+                     'forbidden, the native build crashes: set CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON '
+                     '-DGGML_FMA=ON -DGGML_F16C=ON", plus -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON on AVX-512 CPUs)')
+
+
+def transformers_runner(hf, **generate_kwargs):
+    """transformers' greedy generate of exactly n tokens (generate_kwargs: e.g. prompt_lookup_num_tokens)."""
+    def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
+        ids = torch.tensor([prompt])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0,
+                              **generate_kwargs)
+        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+    return run
+
+
+def llamacpp_runner(gguf: Path, threads: int, context: int):
+    """llama.cpp's greedy decoding of exactly n tokens on `gguf`; ImportError (naming the install) if absent."""
+    try:  # imported on use: an optional peer, not a requirement
+        from llama_cpp import Llama, llama_get_logits
+    except ImportError as e:
+        raise ImportError(f"llama-cpp-python is not installed ({e}): {LLAMA_CPP_INSTALL}") from None
+    llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=context,
+                logits_all=False, verbose=False)
+    vocab = llm.n_vocab()
+
+    def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
+        t0 = time.perf_counter()
+        llm.reset()  # the KV cache is written again from position 0
+        llm.eval(prompt)
+        out = []
+        while True:
+            logits = np.ctypeslib.as_array(llama_get_logits(llm.ctx), shape=(vocab,))  # the last position's
+            out.append(int(np.argmax(logits)))
+            if len(out) == n:
+                return time.perf_counter() - t0, out
+            llm.eval(out[-1:])
+    return run
+
+
+def compile_cache_per_kernels() -> None:
+    """One torch.compile cache per CPU kernel set (AVX512, AVX2, ...), unless the user chose one with
+    TORCHINDUCTOR_CACHE_DIR: torch 2.13 reuses kernels compiled under one ATEN_CPU_CAPABILITY under
+    another, and they then return NaN (seen: a cache filled with AVX512 kernels, read with
+    ATEN_CPU_CAPABILITY=avx2). Call it before the first compile. Importing minillm already sets the
+    variable to torch's default (inductor writes it on import), so that value counts as unset."""
+    default = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+def machine() -> dict:
+    """The CPU's model, its cores, its SIMD flags (avx*, amx*, fma, f16c) and the platform."""
+    cpu, info = platform.processor() or platform.machine(), Path("/proc/cpuinfo")
+    if info.exists() and (m := re.search(r"^model name\s*:\s*(.+)$", info.read_text(), re.M)):
+        cpu = m.group(1).strip()
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+    return {"cpu": cpu, "cores": os.cpu_count(), "simd": flags, "torch_kernels": torch.backends.cpu.get_cpu_capability(),
+            "platform": platform.platform()}

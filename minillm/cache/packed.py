@@ -1,0 +1,125 @@
+# Generated from notebooks/12_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""Packed (variable-length) batches: every new token of an engine step in one row, no padding.
+
+Built in notebooks/12_engine.ipynb. A padded batch (notebook 11's `batch_layout`) gives each
+sequence a row and pads the rows to the longest; a packed batch puts the step's new tokens side
+by side in one row of N tokens, prompt chunks first, then one token per decoding sequence. The
+linear layers, norms and RoPE act on each token alone, so they need nothing more than each
+token's position; only attention must keep sequences apart: each prompt chunk attends,
+causally, to its own keys (the cached ones read from the pool, the new ones as computed), and
+the decode tokens attend together, through notebook 11's gathered or paged views. This is the
+varlen layout of FlashAttention's `flash_attn_varlen_func` and of vLLM's scheduler, which mixes
+prompt chunks and decode tokens in one forward.
+
+Shape legend: N packed tokens, H heads, Hkv kv heads, D head dim, Bd decoding sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minillm.model.attention import causal_mask, padding_mask
+from minillm.cache.paged_attention import BlockTableView, DecodeLayout, decode_layout
+from minillm.cache.paged import BatchLayout, BlockManager, PagedView, batch_layout
+
+
+@dataclass
+class Segment:
+    """One prompt chunk in the packed row: columns start .. start + new - 1."""
+    start: int                # its first column
+    new: int                  # its new tokens
+    cached: int               # keys before them, already in the pool
+    keys: torch.Tensor | None  # (cached + new,) pool slots of all its keys; None: nothing cached
+    allowed: torch.Tensor | None  # (new, cached + new) which keys each query sees; None: nothing cached
+
+
+@dataclass
+class PackedLayout:
+    """Where each packed token goes, and how attention splits the row."""
+    slots: torch.Tensor      # (N,) pool slot of each token's key and value
+    positions: torch.Tensor  # (1, N) RoPE position of each token within its own sequence
+    segments: list[Segment]  # the prompt chunks, in columns 0 .. P - 1
+    prefill_tokens: int      # P: the decode tokens follow, one per sequence
+    decode: BatchLayout | DecodeLayout | None  # the decode tokens' own layout (gathered or paged)
+    decode_keys: torch.Tensor | None  # (Bd, 1, 1, S) True for a real key of a gathered decode row
+    ends: torch.Tensor       # (rows,) the column of each sequence's last token: its logits are kept
+
+
+def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, pool_blocks: int, device=None,
+                  paged: bool = False) -> PackedLayout:
+    """chunks: (sequence id, cached, new) prompt chunks, each ending at token cached + new; decode_ids:
+    sequences computing their last token; pool_blocks: the cache's blocks. paged: the decode tokens
+    read the blocks in place (notebook 11's DecodeLayout), else they are gathered (a BatchLayout)."""
+    slots, positions, segments, ends = [], [], [], []
+    for s, cached, new in chunks:
+        table = [manager.slot(s, p) for p in range(cached + new)]  # every key's slot, cached then new
+        keys, allowed = (torch.tensor(table, device=device), causal_mask(new, cached + new, cached, device)) if cached \
+            else (None, None)  # query i sees keys 0 .. cached + i (notebook 02's rule); fresh: plain causal
+        segments.append(Segment(len(slots), new, cached, keys, allowed))
+        slots += table[cached:]
+        positions += range(cached, cached + new)
+        ends.append(len(slots) - 1)
+    P, decode, decode_keys = len(slots), None, None
+    if decode_ids:
+        decode = (decode_layout(manager, decode_ids, pool_blocks, device) if paged else
+                  batch_layout(manager, decode_ids, 1, device=device))  # one new token each: no padding queries
+        decode_keys = None if paged else padding_mask(decode.attention_mask)  # once, for every layer
+        lengths = [manager.num_tokens(s) for s in decode_ids]
+        slots += [manager.slot(s, L - 1) for s, L in zip(decode_ids, lengths)]  # as in their own layout
+        positions += [L - 1 for L in lengths]
+        ends += range(P, P + len(decode_ids))
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    return PackedLayout(t(slots), t([positions]), segments, P, decode, decode_keys, t(ends))
+
+
+class GatheredDecodeView(PagedView):
+    """Decode tokens gathered as notebook 11's PagedView does, then SDPA over each row's real keys."""
+
+    def __init__(self, cache, layout: BatchLayout, real_keys: torch.Tensor):
+        super().__init__(cache, layout)
+        self.real_keys = real_keys  # (Bd, 1, 1, S): the left padding masked
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (Bd, H, 1, D), k, v (Bd, Hkv, 1, D) -> (Bd, H, 1, D)."""
+        keys, values = self.update(self.layout.start_pos, k, v)  # (Bd, Hkv, S, D): cached keys and the new one
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.real_keys, enable_gqa=True)
+
+
+class PackedView:
+    """What the model sees as `cache[i]` in a packed forward: `attend` splits the row by sequence."""
+
+    def __init__(self, cache, layout: PackedLayout):
+        self.cache, self.layout, decode = cache, layout, layout.decode
+        if decode is None:
+            self.decode = None
+        elif isinstance(decode, DecodeLayout):
+            self.decode = BlockTableView(cache, decode)
+        else:
+            self.decode = GatheredDecodeView(cache, decode, layout.decode_keys)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, H, N, D), k, v (1, Hkv, N, D) -> (1, H, N, D): each chunk causal over its own keys."""
+        blocks, bs, Hkv, D = self.cache.k.shape
+        P, outs = self.layout.prefill_tokens, []
+        k_pool = self.cache.k.view(blocks * bs, Hkv, D)  # (blocks, bs, Hkv, D) -> one row per slot
+        v_pool = self.cache.v.view(blocks * bs, Hkv, D)
+        k_pool[self.layout.slots[:P]] = k[0, :, :P].transpose(0, 1)  # (Hkv, P, D) -> (P, Hkv, D)
+        v_pool[self.layout.slots[:P]] = v[0, :, :P].transpose(0, 1)
+        for seg in self.layout.segments:
+            cols = slice(seg.start, seg.start + seg.new)
+            if seg.keys is None:  # a fresh prompt: its own new keys, plainly causal (SDPA's fused kernel)
+                outs.append(F.scaled_dot_product_attention(q[:, :, cols], k[:, :, cols], v[:, :, cols],
+                                                           is_causal=True, enable_gqa=True))
+            else:  # after cached keys: read them all from the pool, each query sees its own and earlier ones
+                keys = k_pool[seg.keys].transpose(0, 1)[None]  # (S, Hkv, D) -> (1, Hkv, S, D), S = cached + new
+                values = v_pool[seg.keys].transpose(0, 1)[None]
+                outs.append(F.scaled_dot_product_attention(q[:, :, cols], keys, values, attn_mask=seg.allowed,
+                                                           enable_gqa=True))
+        if self.decode is not None:  # one token per row: (1, heads, Bd, D) -> (Bd, heads, 1, D) and back
+            rows = lambda x: x[0, :, P:, None].transpose(0, 1)
+            outs.append(self.decode.attend(rows(q), rows(k), rows(v)).transpose(0, 2))  # (1, H, Bd, D)
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, H, N, D)

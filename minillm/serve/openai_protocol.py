@@ -1,0 +1,343 @@
+# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""The OpenAI HTTP protocol of minillm's server: request checks, response shapes, error JSON.
+
+Built in notebooks/14_server.ipynb. Every field of a request is checked here, by hand, so each
+bad value gets OpenAI's error JSON naming its parameter (the table in notebook 14 lists the
+fields and their ranges); the server (minillm/serve/server.py) runs what passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from minillm.api import LLM
+from minillm.text.constrained import check_response_format
+from minillm.runtime.engine import Output
+from minillm.runtime.generate import check_prompt
+from minillm.runtime.sampling import SamplingParams
+from minillm.text.tool_calls import call_format, check_tools, encode_with_tools, parse_tool_calls
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI error JSON with this HTTP status (and headers, e.g. Retry-After)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
+
+
+def token_logprobs(tok, out: Output) -> dict:
+    def entry(tid: int, logprob: float) -> dict:
+        raw = tok.token_bytes(tid)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    top = [entry(t, lp) for t, lp in (out.top_logprobs or [])]
+    return {**entry(out.token_id, out.logprob), "top_logprobs": top}
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
+
+
+class Reply:
+    """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
+
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: bool = False):
+        self.chat, self.prompt_tokens, self.index, self.tools, self.held = chat, prompt_tokens, 0, tools, ""
+        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                     "object": "chat.completion" if chat else "text_completion",
+                     "created": int(time.time()), "model": model_name}
+        self.chunk_object = self.head["object"] + (".chunk" if chat else "")
+
+    def usage(self, n: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def at(self, index: int) -> Reply:
+        """The same answer seen from choice `index` (n > 1): its choices and chunks carry that index."""
+        other = copy.copy(self)
+        other.index = index
+        return other
+
+    def choice(self, text: str, finish, logprobs=None, delta: bool = False) -> dict:
+        if not self.chat:
+            return {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish}
+        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        if self.tools and finish is not None:  # the whole text: <tool_call> blocks become tool_calls
+            finish = with_tool_calls(message, text, finish, delta)
+        lp = {"content": logprobs} if logprobs is not None else None
+        return {"index": self.index, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
+
+    def opening(self) -> str:
+        """A chat stream's first chunk for this choice: the role, no text yet."""
+        return self.chunk([{**self.choice("", None, delta=True), "delta": {"role": "assistant", "content": ""}}])
+
+    def whole(self, choices: list[dict], n: int) -> dict:
+        """The whole answer: its choices (from `at(i).choice`) and the usage of n generated tokens."""
+        return {**self.head, "choices": choices, "usage": self.usage(n)}
+
+    def chunk(self, choices: list, **extra) -> str:
+        return sse({**self.head, "object": self.chunk_object, "choices": choices, **extra})
+
+
+def best_choices(logprobs: list[list[dict]], n: int) -> list[int]:
+    """best_of: which n of the generated choices to return, those of the highest mean logprob per token
+    (OpenAI's rule), best first; with no more choices than n, all of them in order."""
+    if len(logprobs) <= n:
+        return list(range(len(logprobs)))
+    mean = [sum(t["logprob"] for t in lp) / len(lp) if lp else float("-inf") for lp in logprobs]
+    return sorted(range(len(logprobs)), key=lambda i: -mean[i])[:n]
+
+
+def output_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[str]:
+    """The SSE events one engine Output sends: a chunk with its text (and logprobs), then, on the
+    request's last output, the finishing chunk."""
+    events = []
+    lp = [token_logprobs(tokenizer, out)] if logprobs and out.token_id is not None else None
+    if out.text or lp:
+        events.append(reply.chunk([reply.choice(out.text, None, lp, delta=True)]))
+    if out.finished:
+        last = reply.choice("", out.finish_reason, None, delta=True)
+        if reply.chat:
+            last["delta"] = {}
+        events.append(reply.chunk([last]))
+    return events
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object; 413 past `limit` bytes (counted while reading), 400 if not JSON."""
+    body, size = bytearray(), 0
+    async for chunk in request.stream():  # read to the end (the client can then read our answer), keep <= limit
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+    if size > limit:
+        raise APIError(413, f"the request body has {size} bytes; the limit is {limit}")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise APIError(400, "the body's JSON is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _text(value, what: str, param: str) -> str:
+    """A string the tokenizer can encode: 400 for anything else, or a lone UTF-16 surrogate."""
+    if not isinstance(value, str):
+        raise APIError(400, f"{what} must be a string, got {type(value).__name__}", param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{what} holds a lone surrogate (not valid Unicode text)", param) from None
+    return value
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's tool_calls, as a client sends them back: [] for none; 400 naming the message."""
+    if calls is None:
+        return []
+    try:
+        ok = isinstance(calls, list) and all(isinstance(c["function"]["name"], str) and
+                                             isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise APIError(400, f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', 'function': "
+                       "{'name', 'arguments': a JSON object as a string}}", "messages")
+    return [{"id": c.get("id"), "type": "function", "function": dict(c["function"])} for c in calls]
+
+
+def offered_tools(body: dict, chat: bool) -> tuple[list[dict], str | dict]:
+    """The request's tools and tool_choice, checked (minillm/text/tool_calls.py); 400 naming the field."""
+    if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
+        raise APIError(400, "tools are supported on /v1/chat/completions only", "tools")
+    try:
+        return check_tools(body.get("tools"), body.get("tool_choice"))
+    except ValueError as exc:
+        raise APIError(400, str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
+
+
+def with_tool_calls(message: dict, text: str, finish: str, delta: bool) -> str:
+    """Split an answer's whole text into the message's content and tool_calls (a delta's carry their
+    index); the finish_reason is "tool_calls" when there are any."""
+    message["content"], calls = parse_tool_calls(text)
+    if not calls:
+        return finish
+    message["tool_calls"] = [{**c, "index": k} for k, c in enumerate(calls)] if delta else calls
+    return "tool_calls"
+
+
+def held_events(out: Output, reply: Reply) -> list[str]:
+    """output_events for a streamed answer that offered tools: its text is held to the end, since only
+    then is it known whether it is content or calls; then one chunk with either, and the finish."""
+    reply.held += out.text
+    return [reply.chunk([reply.choice(reply.held, out.finish_reason, None, delta=True)])] if out.finished else []
+
+
+def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
+    """Token ids of chat messages (and the tools offered) through the model's chat template; 400 naming
+    what is wrong. Tools: the template's own rendering if it has one, else minillm/text/tool_calls.py's."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise APIError(400, f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", "messages")
+        content = m.get("content")
+        calls = _tool_calls(m.get("tool_calls"), i) if m["role"] == "assistant" else []
+        content = "" if content is None and calls else content
+        if isinstance(content, list):  # content parts: keep the text ones
+            parts = [p for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(_text(p.get("text"), f"messages[{i}].content[].text", "messages") for p in parts)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages"),
+                      **({"tool_calls": calls} if calls else {})})
+    try:
+        return encode_with_tools(llm.tokenizer, clean, list(tools))
+    except Exception as exc:  # the template may reject a conversation (e.g. roles out of order)
+        raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
+
+
+def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
+    """The prompt ids: the chat template over `messages`, or the text (or token ids) of `prompt`."""
+    if chat:
+        tools, choice = offered_tools(body, chat)
+        return chat_prompt(llm, body.get("messages"), tools if choice != "none" else [])
+    prompt = body.get("prompt")
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) else prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt  # token ids, as OpenAI's API allows: parse_request checks them against the vocabulary
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+    return llm.tokenizer.encode(_text(prompt, "prompt", "prompt"))
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+MAX_CHOICES = 16  # n and best_of: at most this many choices in one request
+
+
+def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
+    """(n, best_of): n choices returned of best_of generated, 1 <= n <= best_of <= MAX_CHOICES;
+    best_of on /v1/completions only, and not streamed (the best are known only at the end)."""
+    n = body.get("n") if body.get("n") is not None else 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
+    best_of = body.get("best_of")
+    if best_of is None:
+        return n, n
+    if chat:
+        raise APIError(400, "best_of is supported on /v1/completions only", "best_of")
+    if not isinstance(best_of, int) or isinstance(best_of, bool) or not n <= best_of <= MAX_CHOICES:
+        raise APIError(400, f"best_of must be an integer in [n, {MAX_CHOICES}] = [{n}, {MAX_CHOICES}], "
+                       f"got {best_of!r}", "best_of")
+    if stream and best_of > n:
+        raise APIError(400, "best_of > n cannot be streamed: the best choices are known only at the end", "best_of")
+    return n, best_of
+
+
+def requested_model(body: dict, model_name: str, adapters: list[str]) -> tuple[str, str | None]:
+    """(model id, LoRA adapter or None): the served model, or "<served model>:<adapter>" (notebook 19)."""
+    model = body.get("model", model_name)
+    adapter = model[len(model_name) + 1:] if isinstance(model, str) and model.startswith(model_name + ":") else None
+    if model != model_name and adapter not in adapters:
+        served = ", ".join(repr(m) for m in [model_name] + [f"{model_name}:{a}" for a in adapters])
+        raise APIError(404, f"the model {model!r} does not exist; this server has {served}", "model", "model_not_found")
+    return model, adapter
+
+
+def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
+                  chat: bool = True, constraints=None, adapters: list[str] = ()) -> dict:
+    """Check the request against the context, OpenAI's ranges and SamplingParams; the engine's
+    arguments and the options. The table in notebook 14 lists every field and its range."""
+    model, adapter = requested_model(body, model_name, list(adapters))
+    stream = _flag(body, "stream")
+    n, best_of = _choices(body, chat, stream)
+    try:  # the prompt rule of every entry point (generate.check_prompt); max_tokens is checked below
+        check_prompt(prompt_ids, 1, context, vocab_size)
+    except ValueError as exc:
+        code = "context_length_exceeded" if len(prompt_ids) >= context else None
+        raise APIError(400, str(exc), "messages" if chat else "prompt", code) from None
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(param)
+    if max_tokens is None:
+        max_tokens = context - len(prompt_ids)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise APIError(400, f"{param} must be an integer >= 1, got {max_tokens!r}", param)
+    if len(prompt_ids) + max_tokens > context:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and {param} is {max_tokens}: "
+                       f"{len(prompt_ids) + max_tokens} tokens, but the context holds {context}",
+                       param, "context_length_exceeded")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "stop must be a string or a list of strings", "stop")
+    if not chat and body.get("logprobs") is not None:
+        raise APIError(400, "logprobs is supported on /v1/chat/completions only", "logprobs")
+    want_logprobs = _flag(body, "logprobs")
+    top = body.get("top_logprobs") or 0
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+        raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
+    knobs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    t = knobs.get("temperature", 1.0)
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and not 0 <= t <= 2:  # the rest: SamplingParams
+        raise APIError(400, f"temperature must be in [0, 2], got {t!r}", "temperature")
+    try:
+        params = SamplingParams(**knobs, logprobs=top if want_logprobs else None)
+    except (ValueError, TypeError) as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), field if field in SAMPLING_FIELDS else None) from None
+    if params.seed is not None and params.seed + best_of > 2**64:  # choice i samples with seed + i
+        raise APIError(400, f"seed + best_of - 1 must be below 2**64 (choice i samples with seed + i), got seed "
+                       f"{params.seed} and {best_of} choices", "seed")
+    fmt, (tools, choice) = body.get("response_format"), offered_tools(body, chat)
+    forced = call_format(tools, choice)  # a call is required: the grammar writes its frame
+    if forced is not None:
+        if fmt is not None:
+            raise APIError(400, "response_format cannot be combined with a required tool_choice", "response_format")
+        fmt = forced
+    try:  # a bad format or schema is this request's 400 before any answer starts; compiled once, then kept
+        check_response_format(fmt) if constraints is None else constraints.for_format(fmt)
+    except ValueError as exc:
+        message = str(exc) if str(exc).startswith("response_format") else f"response_format: {exc}"
+        raise APIError(400, message, "response_format") from None
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
+    return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": stream, "n": n,
+            "best_of": best_of, "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs,
+            "tools": bool(tools) and choice != "none", "model": model,
+            "options": {"response_format": fmt, "adapter": adapter,  # the engine's: Engine.make_request
+                        **({"eos_token_ids": ()} if _flag(body, "ignore_eos") else {})}}

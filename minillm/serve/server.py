@@ -1,0 +1,449 @@
+# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""An OpenAI-compatible HTTP server over the continuous-batching engine.
+
+Built in notebooks/14_server.ipynb. One background thread owns the Engine (notebook 12) and steps
+it while any request is unfinished; each request gets an asyncio.Queue of its Outputs, handed over
+with loop.call_soon_threadsafe, so concurrent requests share forward passes. A client that hangs
+up mid-stream aborts its request, which frees its KV blocks. A request for n choices is one engine
+request: its prompt is prefilled once and the choices share its blocks.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (stream: server-sent events ending in
+`data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus). Errors: {"error": {"message",
+"type", "param", "code"}}. Around them (minillm/serve/ops.py): API keys, per-key limits, a JSON access
+log, request timeouts (finish_reason "length") and a graceful shutdown (finish_reason "shutdown").
+
+References: the OpenAI API reference (chat completions, completions, streaming, error codes);
+vLLM's OpenAI-compatible API server (the queue-per-request bridge over one engine loop).
+The protocol (request checks, response shapes, error JSON) is minillm/serve/openai_protocol.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minillm.api import LLM
+from minillm.runtime.engine import Engine, Output
+from minillm.weights.lora import adapter_names
+from minillm.serve.openai_protocol import (APIError, Reply, best_choices, held_events, output_events, parse_request,
+                                      read_json, read_prompt, sse, token_logprobs)
+from minillm.runtime.sampling import SamplingParams
+from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
+                                check_seconds, configure_access_log)
+
+
+def apply_commands(engine: Engine, commands: queue.SimpleQueue) -> None:
+    """Run every posted command on the engine (call it from the engine thread only, between steps):
+    ("add", Sequence) submits a request made by Engine.make_request, ("abort", id) stops one."""
+    while not commands.empty():
+        kind, arg = commands.get()
+        if kind == "add":
+            engine.submit(arg)
+        else:
+            engine.abort(arg)
+
+
+def step_or_fail(engine: Engine) -> list[Output]:
+    """One engine step. If it raises (a bug, a device error), every request gets a final Output with
+    finish_reason "error" and is aborted, so the engine stays usable for the requests that follow."""
+    try:
+        return engine.step()
+    except Exception as exc:
+        rids = list(engine.sequences)
+        outputs = [Output(rid, None, "", True, "error", f"engine error: {exc}") for rid in rids]
+        for rid in rids:
+            engine.abort(rid)
+        return outputs
+
+
+def deliver(outputs: list[Output], queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]]) -> None:
+    """Hand each Output to its request's asyncio.Queue, on that queue's own event loop (called from the
+    engine thread: call_soon_threadsafe is the thread-safe way in). A finished request leaves `queues`;
+    an Output of a request no longer in it (aborted) is dropped."""
+    for out in outputs:
+        target = queues.pop(out.request_id, None) if out.finished else queues.get(out.request_id)
+        if target is not None:
+            loop, outputs_queue = target
+            loop.call_soon_threadsafe(outputs_queue.put_nowait, out)
+
+
+class EngineThread:
+    """The thread that owns an Engine: it sleeps until woken, applies the posted commands, and steps
+    while any request is unfinished, delivering each step's Outputs. AsyncEngine adds the request API."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Sequence) or ("abort", id), thread-safe
+        self.wake = threading.Event()
+        self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # set by add, popped by the thread
+        self.steps = 0  # forward rounds taken, for the curious
+        self.running = False
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, name="minillm-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.running = False
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def _apply_commands(self) -> None:
+        apply_commands(self.engine, self.commands)
+
+    def _loop(self) -> None:
+        while self.running:
+            self.wake.wait()
+            self.wake.clear()  # before reading the commands: a command posted after this sets it again
+            self._apply_commands()
+            while self.running and self.engine.has_unfinished():
+                outputs = step_or_fail(self.engine)
+                self.steps += 1
+                deliver(outputs, self.queues)
+                self._apply_commands()  # between steps: new requests join, hung-up ones leave
+
+
+class AsyncEngine(EngineThread):
+    """One Engine stepped by one thread; each request receives its Outputs on an asyncio.Queue. The event
+    loop never waits for the engine: `add`, `abort` and `end` post commands, which the engine thread
+    applies between steps, so /health and every other request stay responsive during a long step."""
+
+    request_timeout: float | None = None  # seconds from add to the end of a request; None: no limit
+    closed = False  # set by end_all: the server is shutting down, add refuses (503)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stop: list[str],
+            n: int = 1, **options) -> tuple[list[int], asyncio.Queue]:  # make_request's: response_format...
+        """Queue a request for n choices (call from the event loop): their ids, the queue of their Outputs."""
+        if self.closed:
+            raise APIError(503, "the server is shutting down", None, "shutting_down")
+        seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, n=n, **options)  # bad: ValueError
+        rids = [seq.id] + [fork.id for fork in seq.forks]
+        outputs: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.queues.update((rid, (loop, outputs)) for rid in rids)
+        self.commands.put(("add", seq))
+        self.wake.set()
+        if self.request_timeout is not None:  # a request still running then ends as if max_tokens were reached
+            loop.call_later(self.request_timeout, self.end, rids, "length")
+        return rids, outputs
+
+    def abort(self, rids: list[int]) -> None:
+        """The client left: stop these requests at the next step boundary and free their blocks."""
+        for rid in rids:
+            self.queues.pop(rid, None)
+            self.commands.put(("abort", rid))
+        self.wake.set()
+
+    def end(self, rids: list[int], reason: str) -> None:
+        """End these requests now (call from the event loop): each unfinished one gets a last Output with
+        `reason` and is aborted at the next step boundary. A finished one is left alone."""
+        for rid in rids:
+            target = self.queues.pop(rid, None)  # None: finished, its last Output is on its way
+            if target is not None:
+                target[0].call_soon_threadsafe(target[1].put_nowait, Output(rid, None, "", True, reason))
+                self.commands.put(("abort", rid))
+        self.wake.set()
+
+    def end_all(self, reason: str) -> None:
+        """Shutdown: refuse new requests from now on, and end every request in flight with `reason`."""
+        self.closed = True
+        self.end(list(self.queues), reason)
+
+
+async def _next_output(queue: asyncio.Queue) -> Output:
+    out = await queue.get()
+    if out.finish_reason == "error":
+        raise APIError(500, out.error or "the engine failed this request", None, "engine_error")
+    return out
+
+
+async def collect_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dict, reply: Reply,
+                         request: Request, record: RequestRecord) -> dict:
+    """The whole answer as one JSON object: its n choices (the n best of best_of). A client that hangs
+    up is noticed within half a second (nothing is written to it until the end, so only asking tells)
+    and its request is aborted."""
+    rids, outputs = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["best_of"], **req["options"])
+    index = {rid: i for i, rid in enumerate(rids)}
+    texts, lps, finish = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
+    asked = time.monotonic()
+    try:
+        while None in finish:
+            try:
+                out = await asyncio.wait_for(_next_output(outputs), timeout=0.5)
+                i = index[out.request_id]
+                record.output(i, out)
+                texts[i].append(out.text)
+                if out.token_id is not None:
+                    lps[i].append(token_logprobs(tokenizer, out))
+                finish[i] = out.finish_reason if out.finished else None
+            except asyncio.TimeoutError:
+                pass
+            if time.monotonic() - asked > 0.5 and None in finish:
+                asked = time.monotonic()
+                if await request.is_disconnected():
+                    raise APIError(499, "the client closed the connection", None, "client_closed")
+    finally:  # cancelled or hung up before the end: abort frees the blocks of every unfinished choice
+        if None in finish:
+            engine.abort([rid for rid, reason in zip(rids, finish) if reason is None])
+    choices = [reply.at(k).choice("".join(texts[i]), finish[i], lps[i] if req["logprobs"] else None)
+               for k, i in enumerate(best_choices(lps, req["n"]))]
+    return reply.whole(choices, sum(map(len, lps)))
+
+
+async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dict, reply: Reply,
+                        record: RequestRecord):
+    """SSE events: for each choice a chunk per piece of text and its finish; optionally usage; [DONE].
+
+    The request starts with the stream: a client gone before it never reaches the engine.
+    `record.end` ends the request (its in-flight count and limits), whichever way the stream ends."""
+    pending, status, n = set(), 499, 0  # 499 (client closed) unless the stream reaches its end
+    try:
+        rids, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["n"], **req["options"])
+        pending, replies = set(rids), {rid: reply.at(i) for i, rid in enumerate(rids)}
+        for one in replies.values() if reply.chat else ():
+            yield one.opening()
+        while pending:
+            out = await _next_output(queue)
+            reply = replies[out.request_id]  # this choice's view: its chunks carry its index
+            record.output(reply.index, out)
+            n += out.token_id is not None
+            for event in held_events(out, reply) if reply.tools else output_events(out, reply, tokenizer, req["logprobs"]):
+                yield event
+            if out.finished:
+                pending.discard(out.request_id)
+        if req["include_usage"]:
+            yield reply.chunk([], usage=reply.usage(n))
+        yield sse("[DONE]")
+        status = 200
+    except APIError as exc:  # the engine failed it mid-stream, or the server closed: an error event, the end
+        status = exc.status
+        yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
+        yield sse("[DONE]")
+    finally:  # the client hung up (cancelled or closed at a yield): abort frees the blocks
+        record.end(status)
+        if pending:
+            engine.abort(list(pending))
+
+
+class InFlight:
+    """Requests from their arrival to their end; past `limit`, a new one is refused (429).
+
+    `enter` counts a request before its body is read (so a burst cannot pass the check together)
+    and returns its `release`, which is safe to call more than once: every path out calls it."""
+
+    def __init__(self, limit: int):
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {limit!r}")
+        self.limit, self.count = limit, 0
+        self.lock = threading.RLock()  # a release may come from a finalizer: another thread, or a GC inside enter()
+
+    def enter(self) -> Callable[[], None]:
+        with self.lock:
+            if self.count >= self.limit:
+                raise APIError(429, f"{self.limit} requests are in flight; retry later", None, "too_many_requests",
+                               {"Retry-After": "1"})
+            self.count += 1
+        released = []
+
+        def release() -> None:
+            with self.lock:
+                if not released:
+                    released.append(True)
+                    self.count -= 1
+        return release
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """What the client gets: our APIError as it is, a refusal by the gate (server_ops) with its status,
+    the engine's own check of a request (ValueError) as a 400, anything else (a bug) as a 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, Refusal):
+        return APIError(exc.status, exc.message, None, exc.code, exc.headers)
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+
+
+async def on_api_error(request, exc: APIError | Refusal):
+    return as_api_error(exc).response()
+
+
+async def on_http_error(request, exc):  # unknown paths, wrong methods
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+async def on_unexpected_error(request, exc):  # a bug outside the completions: still OpenAI's JSON
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error").response()
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every failure answers with OpenAI's error JSON: our APIErrors and the gate's refusals, the
+    framework's 404 and 405, and bugs."""
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Refusal, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
+
+
+def completion_handler(llm: LLM, engine: AsyncEngine, gate: Gate, context: int, model_name: str,
+                       max_body_bytes: int):
+    """The body of both completion endpoints: admit, read, check, then answer whole or as a stream."""
+
+    async def complete(request: Request, chat: bool):
+        record = gate.admit(request)  # 503, 401, 429: counted from here, a burst cannot pass together
+        streaming = False
+        try:
+            body = await read_json(request, max_body_bytes)
+            ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
+            req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat,
+                                engine.engine.constraints, adapter_names(llm.model))  # notebooks 18 and 19
+            reply = Reply(chat, req["model"], len(ids), req["tools"])
+            record.begin(reply.head["id"], len(ids))
+            if not req["stream"]:
+                answer = await collect_answer(engine, llm.tokenizer, ids, req, reply, request, record)
+                record.status = 200
+                return answer
+            events = stream_answer(engine, llm.tokenizer, ids, req, reply, record)
+            weakref.finalize(events, record.end)  # a stream never started (the client left first) ends too
+            streaming = True
+            return StreamingResponse(events, media_type="text/event-stream")
+        except Exception as exc:
+            error = as_api_error(exc)
+            record.status = error.status
+            raise error from None
+        finally:
+            if not streaming:  # a stream ends its record when it ends
+                record.end()
+
+    return complete
+
+
+def model_list(model_name: str, context: int, adapters: list[str] = ()) -> dict:
+    """The body of GET /v1/models: the served model, its LoRA adapters (notebook 19), the context length."""
+    entry = {"object": "model", "created": 0, "owned_by": "minillm", "max_model_len": context}
+    return {"object": "list", "data": [{"id": model_name, **entry}] +
+            [{"id": f"{model_name}:{name}", "parent": model_name, **entry} for name in adapters]}
+
+
+def health_report(engine: AsyncEngine, gate: Gate) -> dict:
+    """The body of GET /health: the scheduler's queues, the free KV blocks, the requests in flight."""
+    sched = engine.engine.scheduler
+    return {"status": "draining" if gate.draining else "ok", "running": len(sched.running),
+            "waiting": len(sched.waiting), "free_blocks": engine.engine.manager.num_free_blocks,
+            "in_flight": gate.in_flight.count}
+
+
+PREFILL_CHUNK = 512  # prompt tokens per engine step (notebook 12's chunked prefill)
+
+
+def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, block_size: int = 16,
+               max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20,
+               api_keys: Iterable[str] = (), max_concurrent_per_key: int | None = None,
+               tokens_per_minute: int | None = None, request_timeout: float | None = None,
+               shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=Engine) -> FastAPI:
+    """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine
+    (prefill_chunk: its prompt tokens per step; None: every prompt whole; engine_class: nb 20's LeadEngine)."""
+    engine = AsyncEngine(engine_class(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
+    engine.request_timeout = check_seconds("request_timeout", request_timeout, none_ok=True)
+    grace = check_seconds("shutdown_grace", shutdown_grace)
+    context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)
+    in_flight = InFlight(max_in_flight)
+    metrics = Metrics(engine.engine, in_flight)
+    gate = Gate(APIKeys(api_keys), KeyLimits(max_concurrent_per_key, tokens_per_minute), in_flight, metrics)
+
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.state.engine, app.state.context, app.state.gate = engine, context, gate
+    app.state.drain = lambda: drain(engine, gate, grace)
+    add_error_handlers(app)
+    complete = completion_handler(llm, engine, gate, context, model_name, max_body_bytes)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        gate.admit(request, limited=False).end(200)  # a key is needed here too
+        return model_list(model_name, context, adapter_names(llm.model))
+
+    @app.get("/health")
+    async def health():  # open without a key: for load balancers
+        return health_report(engine, gate)
+
+    @app.get("/metrics")
+    async def prometheus():  # open without a key: for Prometheus (bind 127.0.0.1, or firewall it)
+        return metrics.response()
+
+    return app
+
+
+async def drain(engine: AsyncEngine, gate: Gate, grace: float) -> None:
+    """Graceful shutdown: new requests get 503; those in flight have `grace` seconds to finish; then
+    each one still running ends with finish_reason "shutdown", after the text it has so far."""
+    gate.draining = True
+    deadline = time.monotonic() + grace
+    while gate.in_flight.count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    engine.end_all("shutdown")
+
+
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str | None = "-", **app_kwargs) -> None:
+    """Run the server (127.0.0.1 by default: reachable from this machine only) until SIGTERM or Ctrl-C,
+    then drain it (create_app's shutdown_grace) and return. access_log: "-" (stderr), a file, or None."""
+    configure_access_log(access_log)
+    app = create_app(llm, **app_kwargs)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=10)  # after the drain: for a client that never reads
+    GracefulServer(config, app.state.drain).run()
+
+
+class BackgroundServer:
+    """The app served by uvicorn in a daemon thread of this process (for notebooks, tests, load tests).
+
+    port 0 asks the operating system for a free port; `url` is the address the server got. `stop`
+    shuts down as a signal would: stop accepting, drain, end.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+        self.server = GracefulServer(config, app.state.drain)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server at {self.url} did not start within {timeout} s")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 120.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout)

@@ -1,0 +1,179 @@
+# Generated from notebooks/18_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""Constrained decoding, part 2: a JSON schema's automaton lifted to a per-step mask over the tokens.
+
+Built in notebooks/18_structured_outputs.ipynb on minillm/text/grammar.py. A token is allowed in a DFA
+state when the DFA reads all of its bytes from there; one walk of a trie of the vocabulary finds
+every allowed token at once, and the mask is kept per state. `JSONConstraint` follows one request:
+mask() before a step, advance(token) after. `GuidanceConstraint` is the same contract on llguidance
+(the grammar engine of llama.cpp and mistral.rs), the default backend; `Constraints` makes either
+for a schema or an OpenAI response_format, and `apply_constraints` masks a batch of logits.
+Related work: Willard and Louf, "Efficient Guided Generation for Large Language Models" (2023).
+
+Shape legend: B batch, V vocabulary (the model's rows of logits).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.torch
+import torch
+
+from minillm.text.grammar import DFA, UnsupportedSchema, lit, schema_pattern, seq
+
+
+class Vocabulary:
+    """The tokens' bytes in a trie (node: ({byte: child}, [token ids ending here])), special tokens left out.
+
+    vocab_size is the model's (its logits' width), which may exceed the tokenizer's."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(tokenizer.eos_token_ids)
+        self.root: tuple[dict, list] = ({}, [])
+        self.token_bytes = [b"" if i in tokenizer.special_ids else tokenizer.token_bytes(i)
+                            for i in range(min(tokenizer.vocab_size, vocab_size))]
+        for token_id, data in enumerate(self.token_bytes):
+            node = self.root
+            for b in data:
+                node = node[0].setdefault(b, ({}, []))
+            node[1].append(token_id)
+
+    def allowed(self, dfa: DFA, state: int) -> list[int]:
+        """Every token whose bytes the DFA reads from `state` without dying: one walk down the trie."""
+        found, todo = [], [(self.root, state)]
+        while todo:
+            (children, _), s = todo.pop()
+            for b, child in children.items():
+                t = dfa.step(s, b)
+                if t != DFA.DEAD:
+                    found.extend(child[1])
+                    todo.append((child, t))
+        return found
+
+
+class JSONConstraint:
+    """One request's place in a schema: mask() before each step, advance(token) after it.
+
+    The end-of-sequence tokens are allowed once the text so far is a whole value, and only then."""
+
+    def __init__(self, dfa: DFA, vocabulary: Vocabulary, masks: dict[int, torch.Tensor]):
+        self.dfa, self.vocabulary, self.masks = dfa, vocabulary, masks  # masks: shared by every request on dfa
+        self.state = dfa.start
+
+    def mask(self) -> torch.Tensor:
+        """(V,) bool: True where the token may come next."""
+        if self.state not in self.masks:
+            mask = torch.zeros(self.vocabulary.vocab_size, dtype=torch.bool)
+            mask[self.vocabulary.allowed(self.dfa, self.state)] = True
+            if self.dfa.accepts(self.state):
+                mask[list(self.vocabulary.eos_token_ids)] = True
+            self.masks[self.state] = mask
+        return self.masks[self.state]
+
+    def advance(self, token_id: int) -> None:
+        if token_id not in self.vocabulary.eos_token_ids:
+            self.state = self.dfa.read(self.vocabulary.token_bytes[token_id], self.state)
+
+
+def apply_constraints(logits: torch.Tensor, constraints: Sequence) -> torch.Tensor:
+    """(B, V) logits with -inf wherever row b's constraint (None: no constraint) forbids the token."""
+    if all(c is None for c in constraints):
+        return logits
+    allowed = torch.stack([torch.ones(logits.shape[-1], dtype=torch.bool) if c is None else c.mask()
+                           for c in constraints]).to(logits.device)  # (B, V)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+class GuidanceConstraint:
+    """JSONConstraint's contract on an llguidance matcher (llguidance compiles the schema itself)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # (1, ceil(V / 32)) int32
+
+    def mask(self) -> torch.Tensor:
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask)
+        bits = (self.bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (V / 32, 32): bit j of word i
+        return bits.bool().flatten()[: self.vocab_size]
+
+    def advance(self, token_id: int) -> None:
+        self.matcher.consume_token(token_id)
+
+
+def check_response_format(response_format) -> tuple[dict, str, str] | None:
+    """OpenAI's response_format (or a pydantic model class) -> (schema, prefix, suffix): the JSON to write
+    and the fixed text around it, or None for free text; ValueError naming what is wrong. minillm's own
+    type "tool_call" ({"schema", "prefix", "suffix"}) is how minillm/text/tool_calls.py forces a function call."""
+    if response_format is None:
+        return None
+    if hasattr(response_format, "model_json_schema"):  # a pydantic model, as the openai client's parse() takes
+        return response_format.model_json_schema(), "", ""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in ("text", "json_object", "json_schema", "tool_call"):
+        raise ValueError(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, "
+                         f"got {response_format!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}, "", ""
+    spec = response_format if kind == "tool_call" else response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ValueError("response_format json_schema needs {'name': ..., 'schema': {...}}")
+    return spec["schema"], str(response_format.get("prefix", "")), str(response_format.get("suffix", ""))
+
+
+def guidance_grammar(schema: dict, prefix: str, suffix: str, lltokenizer) -> str:
+    """llguidance's grammar for JSON following `schema`, with json.dumps' separators, between two fixed
+    texts (a Lark grammar around llguidance's %json when there are any); UnsupportedSchema naming the problem."""
+    try:
+        if prefix or suffix:
+            body = json.dumps({**schema, "x-guidance": {"item_separator": ", ", "key_separator": ": ",
+                                                        "whitespace_flexible": False}})
+            grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {json.dumps(prefix)} %json {body} {json.dumps(suffix)}")
+        else:
+            grammar = llguidance.JsonCompiler(separators=(", ", ": ")).compile(json.dumps(schema))  # keys in order
+    except ValueError as exc:  # llguidance names the keyword or the pointer it could not follow
+        raise UnsupportedSchema(f"schema not supported: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
+    if error:
+        raise UnsupportedSchema(f"schema not supported: {error}")
+    return grammar
+
+
+class Constraints:
+    """Makes each request's constraint for one tokenizer and model: backend "llguidance" (the default)
+    or "minillm" (the from-scratch DFA above). Compiled schemas are kept, keyed by their JSON text."""
+
+    BACKENDS = ("llguidance", "minillm")
+
+    def __init__(self, tokenizer, vocab_size: int, backend: str = "llguidance"):
+        if backend not in self.BACKENDS:
+            raise ValueError(f"constraint backend must be one of {self.BACKENDS}, got {backend!r}")
+        self.tokenizer, self.vocab_size, self.backend = tokenizer, vocab_size, backend
+        self.compiled: dict[str, object] = {}
+        self._vocabulary = self._lltokenizer = None
+
+    def for_schema(self, schema: dict, prefix: str = "", suffix: str = ""):
+        """A fresh constraint for prefix + JSON following `schema` + suffix; UnsupportedSchema or
+        ValueError naming what is wrong."""
+        key = json.dumps([schema, prefix, suffix], sort_keys=True)
+        if self.backend == "minillm":
+            if key not in self.compiled:
+                self._vocabulary = self._vocabulary or Vocabulary(self.tokenizer, self.vocab_size)
+                self.compiled[key] = (DFA(seq(lit(prefix), schema_pattern(schema), lit(suffix))), {})
+            dfa, masks = self.compiled[key]
+            return JSONConstraint(dfa, self._vocabulary, masks)
+        if self._lltokenizer is None:
+            self._lltokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                       eos_token=list(self.tokenizer.eos_token_ids))
+        if key not in self.compiled:
+            self.compiled[key] = guidance_grammar(schema, prefix, suffix, self._lltokenizer)
+        return GuidanceConstraint(llguidance.LLMatcher(self._lltokenizer, self.compiled[key]), self.vocab_size)
+
+    def for_format(self, response_format):
+        """The constraint of an OpenAI response_format, or None for free text."""
+        spec = check_response_format(response_format)
+        return None if spec is None else self.for_schema(*spec)

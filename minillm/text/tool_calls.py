@@ -1,0 +1,122 @@
+# Generated from notebooks/18_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""Tool calls: OpenAI's tools and tool_choice over a chat template, in the Hermes format of Qwen2.5 and Qwen3.
+
+Built in notebooks/18_structured_outputs.ipynb on minillm/text/constrained.py. A model calls a function
+by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A chat template that renders
+tools itself (Qwen's) gets them as they are; for one that does not (SmolLM2's), the functions are
+described in the system message and earlier calls and results are written as text.
+`call_format(tools, choice)` is the response_format that forces a call ("required" or a named
+function); `parse_tool_calls(text)` turns the blocks of an answer into OpenAI's tool_calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"  # what Qwen2.5's and Qwen3's templates ask the model to write
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+def check_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
+    """(tools, choice), checked: tools a list of {"type": "function", "function": {"name", "description",
+    "parameters"}}; choice "none", "auto" (the default), "required" or {"type": "function", "function":
+    {"name": ...}}. ValueError naming the field that is wrong."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise ValueError("tool_choice needs tools")
+        return [], "none"
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not NAME.fullmatch(str(function.get("name"))):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}, the name "
+                             "of 1 to 64 letters, digits, _ or -")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema (an object)")
+        names.append(function["name"])
+    if len(set(names)) < len(names):
+        raise ValueError("tools: two functions have the same name")
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise ValueError(f"tool_choice names no function of tools: {choice!r}")
+    elif choice not in ("none", "auto", "required"):
+        raise ValueError(f"tool_choice must be none, auto, required or {{'type': 'function', ...}}, got {choice!r}")
+    return tools, choice
+
+
+def call_format(tools: list[dict], choice) -> dict | None:
+    """The response_format that forces one call of an allowed function (choice "required" or a named
+    function), or None when the model may answer in text ("auto", "none")."""
+    if not isinstance(choice, dict) and choice != "required":
+        return None
+    allowed = [t["function"] for t in tools if not isinstance(choice, dict) or
+               t["function"]["name"] == choice["function"]["name"]]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+             for f in allowed]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"type": "tool_call", "schema": schema, "prefix": OPEN, "suffix": CLOSE}
+
+
+def tool_prompt(tools: list[dict]) -> str:
+    """The system text that describes the functions to a model whose template does not."""
+    functions = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return ("You may call functions. To call one, answer with\n" + OPEN + '{"name": <function name>, '
+            '"arguments": <its arguments as a JSON object>}' + CLOSE + "\nThe functions:\n" + functions)
+
+
+def template_messages(messages: list[dict], tools: list[dict], template_has_tools: bool) -> list[dict]:
+    """Messages as the template wants them: arguments of earlier calls as objects; for a template
+    without tools, the functions in the system message and calls and results written as text."""
+    out = []
+    for m in messages:
+        calls = [{**c["function"], "arguments": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls") or []]
+        if template_has_tools:
+            out.append({**m, "content": m.get("content") or "", **({"tool_calls": calls} if calls else {})})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            text = "".join(OPEN + json.dumps(c, ensure_ascii=False) + CLOSE for c in calls)
+            out.append({"role": m["role"], "content": (m.get("content") or "") + text})
+    if tools and not template_has_tools:
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + tool_prompt(tools)}
+        else:
+            out.insert(0, {"role": "system", "content": tool_prompt(tools)})
+    return out
+
+
+def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
+    """Prompt ids of a chat that offers `tools`: the template renders them if it can, else the messages
+    carry them (template_messages)."""
+    has_tools = "tools" in (tokenizer.chat_template or "")
+    extra = {"tools": tools} if tools and has_tools else {}
+    return tokenizer.apply_chat_template(template_messages(messages, tools, has_tools), **extra)
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of an answer: each <tool_call> block that holds {"name", "arguments"} as
+    JSON becomes an OpenAI tool call (arguments as a JSON string); the rest of the text is the content."""
+    calls = []
+
+    def take(block: re.Match) -> str:
+        try:
+            call = json.loads(block.group(1))
+        except json.JSONDecodeError:
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return block.group(0)  # not a call after all: it stays in the content
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+        return ""
+
+    content = CALL.sub(take, text)
+    return (content.strip() or None, calls) if calls else (text, [])

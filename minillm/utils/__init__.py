@@ -1,0 +1,1 @@
+"""Plumbing shared by the course: the notebooks' diagrams and the checks every boundary makes."""
