@@ -1,12 +1,14 @@
 """Export notebook cells into the minillm package (standard library only).
 
 Markup (compatible with nbdev):
-    #| default_exp attention   in a code cell: this notebook's module is minillm/model/attention.py
-    #| export                  on a code cell: the cell's code belongs in that module
-    #| export rope             on a code cell: the cell's code belongs in minillm/model/rope.py, so one
-                               notebook can teach one idea and put each piece where it belongs
-    ### BEGIN SOLUTION         nbgrader-style marker lines around an exercise's solution
-    ### END SOLUTION           (tools/make_exercises.py); the module drops these two lines
+    #| default_exp model.attention  in a code cell: this notebook's module is minillm/model/attention.py
+    #| export                       on a code cell: the cell's code belongs in that module
+    #| export model.rope            on a code cell: the cell's code belongs in minillm/model/rope.py,
+                                    so one notebook can teach one idea and put each piece where it belongs
+    ### BEGIN SOLUTION              nbgrader-style marker lines around an exercise's solution
+    ### END SOLUTION                (tools/make_exercises.py); the module drops these two lines
+A dotted name is a module in a concept folder. Each folder is a package: a missing __init__.py is
+written (a one-line docstring, to be replaced by hand), and --check reports one that is missing.
 
 Usage:
     python tools/nbexport.py            write every module from its notebook

@@ -2,7 +2,7 @@
 a JSON access log and a graceful shutdown.
 
 A plain module (no notebook): nothing here is about inference. Notebook 14 shows each piece at
-work and minillm/serve/server.py composes them; the README's "Running the server for others" lists the flags.
+work and minillm/serve/server.py composes them; docs/server.md ("Running the server for others") lists the flags.
 
 - `APIKeys`: `Authorization: Bearer KEY` against the configured keys, compared in constant time;
   logs and metrics name a key by `key_id` (a hash prefix), never by the key.
