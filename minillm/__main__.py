@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 
 from minillm.api import load
-from minillm.text.constrained import check_response_format
+from minillm.text.constrained import validate_response_format
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.runtime.generate import stream
 from minillm.weights.gguf_file import read_gguf
@@ -149,7 +149,7 @@ def _messages(args, text: str) -> list[dict]:
     return ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
 
 
-def _check_speculative(args) -> None:
+def _validate_speculative(args) -> None:
     """--num-draft (and serve's --speculative-max-batch) need --speculative; checked before the model loads."""
     for flag, value in (("--num-draft", args.num_draft), ("--speculative-max-batch", getattr(args, "speculative_max_batch", None))):
         if value is not None and args.speculative is None:
@@ -171,7 +171,7 @@ def _response_format(args) -> dict | None:
             raise ValueError(f"--json-schema takes a JSON schema or a .json file: {exc}") from None
     if fmt is not None and args.speculative is not None:
         raise ValueError("--json and --json-schema cannot be combined with --speculative")
-    check_response_format(fmt)
+    validate_response_format(fmt)
     return fmt
 
 
@@ -207,7 +207,7 @@ def _print_stream(llm, prompt_ids, args, params, drafter=None, fmt=None) -> tupl
 
 def cmd_generate(args) -> int:
     params = _params(args)  # bad flags fail before the model loads
-    _check_speculative(args)
+    _validate_speculative(args)
     fmt = _response_format(args)
     llm = _load(args, args.lora)
     _ranks(args)  # every rank runs this same command: the same tokens everywhere, printed once
@@ -221,7 +221,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     params = _params(args)
-    _check_speculative(args)
+    _validate_speculative(args)
     fmt = _response_format(args)
     llm = _load(args, args.lora)
     control, drafter = _ranks(args), _drafter(llm, args)
@@ -260,7 +260,7 @@ def cmd_serve(args) -> int:
     keys = read_keys(args.api_key, args.api_key_file, os.environ)  # before loading: a bad key fails fast
     specs = lora_specs(args)
     adapters = {name: read_adapter(path) for name, path in specs.items()}  # a bad adapter fails fast too
-    _check_speculative(args)
+    _validate_speculative(args)
     llm = _load(args)
     control = _ranks(args)
     if control is not None and control.rank:  # notebook 20: a follower steps as rank 0's engine does

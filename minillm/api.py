@@ -28,8 +28,9 @@ from minillm.runtime.speculative import ModelDrafter, NgramDrafter, int4_drafter
 from minillm.runtime.speculative import stream as speculative_stream
 from minillm.parallel.tensor_parallel import load_rank_shard
 from minillm.text.tokenizer import Tokenizer
-from minillm.text.tool_calls import call_format, check_tools, encode_with_tools, parse_tool_calls
+from minillm.text.tool_calls import call_format, validate_tools, encode_with_tools, parse_tool_calls
 from minillm.weights.loading import load_model
+from minillm.utils.validate import is_int
 
 
 class LLM:
@@ -96,7 +97,7 @@ def make_drafter(model, speculative):
 def chat_with_tools(llm: LLM, messages: Sequence[dict], params, speculative, tools, tool_choice, **kwargs) -> Completion:
     """LLM.chat offering tools: a required call (tool_choice "required" or a named function) is
     forced by a grammar; the calls are returned in tool_calls, the other text as the text."""
-    tools, choice = check_tools(tools, tool_choice)
+    tools, choice = validate_tools(tools, tool_choice)
     forced = call_format(tools, choice)
     if forced is not None and kwargs.get("response_format") is not None:
         raise ValueError("response_format cannot be combined with a required tool_choice")
@@ -120,14 +121,14 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too.
     lora (notebook 19): a PEFT LoRA adapter's folder, merged into the float weights before the options.
     tensor_parallel (notebook 20): N, in each of the N processes torchrun starts: this rank's shard."""
-    _check_options(quantize, group_size, fast, compile, lora, tensor_parallel)  # before any work (Plumbing, below)
+    _validate_options(quantize, group_size, fast, compile, lora, tensor_parallel)  # before any work (Plumbing, below)
     adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     source = embedded_gguf_path() if model is None else model
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     path = Path(source)
     if quantize == "gguf":
-        _check_gguf_source(source, device, dtype)
+        _validate_gguf_source(source, device, dtype)
     tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # fails before the weights
     if tensor_parallel is not None:  # notebook 20: join the ranks, read this rank's slices
         net = load_rank_shard(source, tensor_parallel, dtype, device)
@@ -153,7 +154,7 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
 QUANTIZE = (*MODES, "gguf")  # notebook 13's modes, and keeping a .gguf file's own blocks
 
 
-def _check_options(quantize: str | None, group_size: int, fast: bool, compile: bool, lora=None,
+def _validate_options(quantize: str | None, group_size: int, fast: bool, compile: bool, lora=None,
                    tensor_parallel: int | None = None) -> None:
     """load's options, checked together before anything is read: ValueError naming the conflict."""
     if quantize not in (None, *QUANTIZE):
@@ -167,7 +168,7 @@ def _check_options(quantize: str | None, group_size: int, fast: bool, compile: b
     if fast and quantize == "gguf":
         raise ValueError("fast=True rebuilds the layers from float weights and cannot keep GGUF blocks; "
                          "use quantize='int4' (the same 4-bit grid as Q4_0/Q4_1 at group_size 32)")
-    if tensor_parallel is not None and (isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int)
+    if tensor_parallel is not None and (not is_int(tensor_parallel)
                                         or tensor_parallel < 1):
         raise ValueError(f"tensor_parallel must be an int >= 1 (the number of ranks), got {tensor_parallel!r}")
     if tensor_parallel is not None and (quantize or fast or lora is not None):
@@ -176,7 +177,7 @@ def _check_options(quantize: str | None, group_size: int, fast: bool, compile: b
         raise ValueError("lora= merges an adapter into float weights; quantize='gguf' keeps the file's 4-bit blocks")
 
 
-def _check_gguf_source(source: str | Path, device: str | torch.device | None, dtype: torch.dtype | None) -> None:
+def _validate_gguf_source(source: str | Path, device: str | torch.device | None, dtype: torch.dtype | None) -> None:
     """quantize='gguf' needs a .gguf file, the CPU and float32."""
     if Path(source).suffix != ".gguf" or device not in (None, "auto", "cpu") or dtype not in (None, torch.float32):
         raise ValueError(f"quantize='gguf' keeps a .gguf file's blocks and runs on cpu in float32; "

@@ -1,7 +1,8 @@
-"""Shared by every test: the data paths, the real model loaded once per run, the greedy helper,
-the header that ties a run to the machine it ran on, and a compile cache per kernel set.
+"""pytest's hooks and shared fixtures: the real model loaded once per worker, the header that ties a
+run to the machine it ran on, a compile cache per kernel set, and the order files are handed out.
 
-Tests import the paths and the helper with `from conftest import DATA, greedy_by_teacher_forcing`."""
+The helpers tests import (paths, the logits tolerance, the fake hub, live-server helpers) are in
+tests/support.py: `from support import DATA, assert_logits_close`."""
 
 from __future__ import annotations
 
@@ -17,21 +18,6 @@ from minillm.bench.peers import compile_cache_per_kernels
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.text.tokenizer import Tokenizer
 from minillm.weights.loading import from_gguf
-
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "data"  # reference logits and tokens from transformers (tools/make_reference_data.py)
-TINY = ("tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama")  # random 4-layer checkpoints
-
-
-@torch.no_grad()
-def greedy_by_teacher_forcing(model, prompt: torch.Tensor, tokens: torch.Tensor) -> list[int]:
-    """The greedy choice at each of len(tokens) steps, from one forward over prompt + tokens.
-
-    Attention is causal, so the logits at position p see only tokens 0..p: exactly the logits a
-    step-by-step greedy run computes at that step, if the tokens before were the same."""
-    logits = model(torch.cat([prompt, tokens])[None])[0]  # (T + n, V)
-    return logits[len(prompt) - 1 : -1].argmax(-1).tolist()
-
 
 def cpu_summary() -> str:
     """CPU model and its AVX flags, from /proc/cpuinfo where there is one."""
@@ -52,8 +38,8 @@ def pytest_configure(config) -> None:
 # The files that take longest (measured with --durations on 2 cores), run first: `make test` hands
 # whole files to two xdist workers in collection order, so starting the longest early lets both
 # workers finish together instead of one waiting on a long notebook started last.
-LONGEST_FIRST = ("notebooks/19_lora.ipynb", "tests/test_tensor_parallel.py", "notebooks/20_tensor_parallel.ipynb",
-                 "notebooks/17_speculative.ipynb", "tests/test_constrained.py", "notebooks/12_engine.ipynb",
+LONGEST_FIRST = ("notebooks/19_lora.ipynb", "tests/parallel/test_tensor_parallel.py", "notebooks/20_tensor_parallel.ipynb",
+                 "notebooks/17_speculative.ipynb", "tests/text/test_constrained.py", "notebooks/12_engine.ipynb",
                  "notebooks/15_performance.ipynb", "notebooks/18_structured_outputs.ipynb")
 
 

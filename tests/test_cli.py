@@ -12,7 +12,7 @@ import sys
 import gguf
 import pytest
 
-from conftest import ROOT
+from support import ROOT
 from minillm.weights.embedded import embedded_gguf_path
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import DATA, ROOT
+from support import DATA, ROOT
 
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)

@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import DATA, ROOT, TINY
+from support import DATA, ROOT, TINY
 from minillm.weights.hub import sha256_file
-from tolerance import SMOLLM2_REL, TINY_REL, assert_logits_close, logits_tolerance, top2_margin
+from support import SMOLLM2_REL, TINY_REL, assert_logits_close, logits_tolerance, top2_margin
 
 GREEDY_TOKENS = 32
 NOT_IN_MANIFEST = {"manifest.json", "README.md"}
@@ -222,7 +222,7 @@ def test_transformers_reproduces_tiny_logits(name):
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_greedy_margins_survive_the_tolerance(name):
     """Every stored greedy step is decided by more than twice the logits tolerance, so a machine
-    whose logits pass the tolerance also picks the stored tokens (tests/tolerance.py).
+    whose logits pass the tolerance also picks the stored tokens (tests/support.py).
     Measured smallest margins: 0.017 (tiny-qwen2-untied) against 2 x 1.3e-4."""
     ref = load_file(DATA / name / "reference.safetensors")
     model = load_hf_model(DATA / name)

@@ -8,11 +8,14 @@ The layers are drawn in docs/architecture.md; a new folder must be placed in one
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "minillm"
 
 # Bottom to top. A module imports from its own folder or from a folder of a lower layer, never from
 # a folder beside it or above it. The top-level modules (api, __main__, __init__) are placed too.
@@ -170,3 +173,25 @@ def test_no_import_inside_a_function():
 def test_module_length(path):
     lines = len((PACKAGE / path).read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, f"minillm/{path} has {lines} lines"
+
+
+def ruff(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_ruff_check_passes():
+    """The linter as pyproject.toml configures it, over the package, tests, tools and notebooks."""
+    result = ruff(".")
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+def test_ruff_check_catches_a_planted_fault():  # the same configuration, on an undefined name
+    result = ruff("--stdin-filename", "minillm/planted.py", "-", stdin="def f():\n    return undefined_name\n")
+    assert result.returncode == 1 and "F821" in result.stdout
+
+
+def test_tests_mirror_the_package_folders():
+    """tests/cache/ tests minillm/cache/, and so on; tests of the project as a whole stay in tests/."""
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert folders and folders <= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}

@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

@@ -17,9 +17,9 @@ minutes on a GPU. What it checks, on the device:
 It writes a JSON report (device, torch version, each check's name, pass/fail, measured max error
 and tolerance, the wall time) and exits 1 if any check failed, 2 if the device is not available.
 
-Tolerances (see tests/tolerance.py for the float32 reasoning):
+Tolerances (see tests/support.py for the float32 reasoning):
 - float32, tiny fixtures: 1e-4 absolute. Correct machines differ from transformers by about 1e-5
-  (logits std about 4.2); the subtlest planted bug in tests/test_model.py moves them by 6e-4.
+  (logits std about 4.2); the subtlest planted bug in tests/model/test_model.py moves them by 6e-4.
 - float32, SmolLM2: 2.5e-4 x std(reference) (about 9e-4), the suite's SMOLLM2_REL: 30 layers
   accumulate more rounding than 3, measured up to 2.3e-5 x std between correct machines.
 - bfloat16: 0.3 x std(reference), see BF16_REL below.
@@ -52,13 +52,13 @@ from minillm.weights.loading import from_gguf  # noqa: E402
 
 TINY = ("tiny-qwen2-tied", "tiny-qwen2-untied", "tiny-qwen3", "tiny-llama")
 FLOAT32_ATOL = 1e-4  # tiny fixtures, float32: absolute (their logits' std is about 4.2)
-SMOLLM2_REL = 2.5e-4  # SmolLM2, float32: x std(reference), as tests/tolerance.py
+SMOLLM2_REL = 2.5e-4  # SmolLM2, float32: x std(reference), as tests/support.py
 # bfloat16 keeps 8 significant bits: a logit near 15 is already rounded by up to 0.03 on output, and
 # every matmul input (weights and activations) is rounded to 2^-9 relative on the way. Measured on a
 # CPU against transformers' float32 logits, the largest error over every position and vocab entry is
 # 0.02-0.13 x std (tiny fixtures and SmolLM2 alike); 0.3 x std leaves room for a GPU's other kernels
 # and summation order, and stays 6x below what a real bug does (RoPE or the causal mask off by one
-# moves logits by 1.8 x std or more, tests/tolerance.py). Subtler bugs are the float32 checks' job.
+# moves logits by 1.8 x std or more, tests/support.py). Subtler bugs are the float32 checks' job.
 BF16_REL = 0.3
 GREEDY_TOKENS = 32
 

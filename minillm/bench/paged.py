@@ -10,7 +10,7 @@ The cache holds random keys and values: a step's cost does not depend on them. O
 - paged: `BlockTableView`, FlexAttention over the pool through a block mask (notebook 11).
 
 Where the kernel cannot run, the paged rows are skipped with the reason. Both ways give the same
-logits (tests/test_paged_flex.py); here only the time is measured.
+logits (tests/cache/test_paged_flex.py); here only the time is measured.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 
 
-def _check_sizes(shape: tuple[int, int, int, int]) -> None:
+def _validate_sizes(shape: tuple[int, int, int, int]) -> None:
     """A KVCache's (B, Hkv, S_max, D): every size >= 1."""
     if min(shape) < 1:
         raise ValueError(f"KVCache: every size must be >= 1, got (B, Hkv, S_max, D) = {shape}")
 
 
-def _check_update(shape: torch.Size, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+def _validate_update(shape: torch.Size, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """k and v (B, Hkv, T, D) fit a cache of `shape` (B, Hkv, S_max, D) at slots pos..pos+T-1."""
     B, Hkv, S_max, D = shape
     T = k.shape[2]
@@ -34,13 +34,13 @@ def _check_update(shape: torch.Size, pos: int, k: torch.Tensor, v: torch.Tensor)
                          f"the cache holds {S_max}")
 
 
-def _check_append(cached: int, pos: int) -> None:
+def _validate_append(cached: int, pos: int) -> None:
     """A concatenating cache can only grow at its end."""
     if pos != cached:
         raise ValueError(f"ConcatKVCache.update: holds {cached} positions, cannot write at position {pos}")
 
 
-def _check_max_seq_len(config, max_seq_len: int) -> None:
+def _validate_max_seq_len(config, max_seq_len: int) -> None:
     """make_cache's length: no more slots than the positions the model was trained for."""
     if max_seq_len > config.max_position_embeddings:
         raise ValueError(f"make_cache: max_seq_len {max_seq_len} exceeds the model's "
@@ -53,7 +53,7 @@ class KVCache:
     def __init__(self, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        _check_sizes(shape)
+        _validate_sizes(shape)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -63,7 +63,7 @@ class KVCache:
 
     def update(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, Hkv, T, D) at positions pos..pos+T-1; return views of positions 0..pos+T-1."""
-        _check_update(self.k.shape, pos, k, v)
+        _validate_update(self.k.shape, pos, k, v)
         T = k.shape[2]
         self.k[:, :, pos : pos + T] = k  # (B, Hkv, T, D) into the slots pos..pos+T-1
         self.v[:, :, pos : pos + T] = v
@@ -78,7 +78,7 @@ class ConcatKVCache:
 
     def update(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cached = 0 if self.k is None else self.k.shape[2]
-        _check_append(cached, pos)
+        _validate_append(cached, pos)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)  # (B, Hkv, pos+T, D): a full copy
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
@@ -87,7 +87,7 @@ class ConcatKVCache:
 def make_cache(config, batch_size: int, max_seq_len: int, dtype: torch.dtype = torch.float32,
                device: str | torch.device | None = None) -> list[KVCache]:
     """A preallocated KVCache for each of the model's layers."""
-    _check_max_seq_len(config, max_seq_len)
+    _validate_max_seq_len(config, max_seq_len)
     return [KVCache(batch_size, max_seq_len, config.num_key_value_heads, config.head_dim, dtype, device)
             for _ in range(config.num_hidden_layers)]
 

@@ -28,16 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.cache.paged_validation import (_check_allocate, _check_append, _check_fork, _check_forward, _check_gather,
-                                  _check_known, _check_layout, _check_pool, _check_pool_shape, _check_position,
-                                  _check_update)
+from minillm.cache.paged_validation import (validate_allocate, validate_append, validate_fork, validate_forward, validate_gather,
+                                  validate_known, validate_layout, validate_pool, validate_pool_shape, validate_position,
+                                  validate_update)
 
 
 class BlockPool:
     """The state of the pool: a free list, a reference count per block, a block table per sequence."""
 
     def __init__(self, num_blocks: int, block_size: int = 16):
-        _check_pool(num_blocks, block_size)
+        validate_pool(num_blocks, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free_list: deque[int] = deque(range(num_blocks))  # blocks nobody uses
         self.ref_count = [0] * num_blocks                       # users of each block
@@ -70,16 +70,16 @@ class BlockPool:
             self.free_list.append(block)
 
     def block_table(self, seq_id) -> list[int]:
-        _check_known(self, seq_id)
+        validate_known(self, seq_id)
         return list(self.tables[seq_id])
 
     def num_tokens(self, seq_id) -> int:
-        _check_known(self, seq_id)
+        validate_known(self, seq_id)
         return len(self.tokens[seq_id])
 
     def slot(self, seq_id, position: int) -> int:
         """Where token `position` of the sequence lives in the flattened pool: block * block_size + offset."""
-        _check_position(self.num_tokens(seq_id), seq_id, position)
+        validate_position(self.num_tokens(seq_id), seq_id, position)
         return self.tables[seq_id][position // self.block_size] * self.block_size + position % self.block_size
 
 
@@ -101,33 +101,33 @@ class BlockAllocator(BlockPool):
     def allocate(self, seq_id, token_ids: list[int], salt=None) -> int:
         """Give the prompt a block table; return how many leading tokens are already cached."""
         hits, need = self._need(token_ids, salt)
-        _check_allocate(self, seq_id, token_ids, need)
+        validate_allocate(self, seq_id, token_ids, need)
         self.tables[seq_id] = self._fill([self._share(b) for b in hits], token_ids, salt)
         self.tokens[seq_id] = list(token_ids)
         return len(hits) * self.block_size
 
     def can_append(self, seq_id) -> bool:
         """Is there room for one more token (a free block if the last one is full)?"""
-        _check_known(self, seq_id)
+        validate_known(self, seq_id)
         return len(self.tokens[seq_id]) % self.block_size != 0 or self.num_free_blocks > 0
 
     def append(self, seq_id, token_id: int) -> None:
         """Account one more token: a new block when the last one is full."""
-        _check_append(self, seq_id)
+        validate_append(self, seq_id)
         if len(self.tokens[seq_id]) % self.block_size == 0:
             self.tables[seq_id].append(self._take_free())
         self.tokens[seq_id].append(int(token_id))
 
     def free(self, seq_id) -> None:
         """Release the sequence's blocks, the last ones first (so a shared prefix is reused last)."""
-        _check_known(self, seq_id)
+        validate_known(self, seq_id)
         for block in reversed(self.tables.pop(seq_id)):
             self._release(block)
         del self.tokens[seq_id]
 
     def fork(self, seq_id, new_seq_id) -> None:
         """A new sequence sharing every block of `seq_id` (parallel sampling, beam search)."""
-        _check_fork(self, seq_id, new_seq_id)
+        validate_fork(self, seq_id, new_seq_id)
         self.tables[new_seq_id] = [self._share(b) for b in self.tables[seq_id]]
         self.tokens[new_seq_id] = list(self.tokens[seq_id])
 
@@ -211,7 +211,7 @@ class PrefixCachingAllocator(PrefixCache):
 
     def append(self, seq_id, token_id: int) -> None:
         """As stage 1; a block filled by decoding is registered when the sequence moves past it."""
-        _check_append(self, seq_id)
+        validate_append(self, seq_id)
         table, tokens, bs = self.tables[seq_id], self.tokens[seq_id], self.block_size
         if len(tokens) % bs == 0 and self.block_hash[table[-1]] is None:  # all of it computed by now
             self._register(table[-1], self.block_hash[table[-2]] if len(table) > 1 else self.salts.get(seq_id), tokens[-bs:])
@@ -259,13 +259,13 @@ class BlockManager(PrefixCachingAllocator):
         self.copies.append((src, dst))
 
     def can_append(self, seq_id) -> bool:  # room for one more token: a free block if the last is full or shared
-        _check_known(self, seq_id)
+        validate_known(self, seq_id)
         n, last = len(self.tokens[seq_id]), self.tables[seq_id][-1]
         return n % self.block_size != 0 and self.ref_count[last] == 1 or self.num_free_blocks > 0
 
     def append(self, seq_id, token_id: int) -> None:
         """As stage 2; a token that would land in a shared block first gets the block copied."""
-        _check_append(self, seq_id)
+        validate_append(self, seq_id)
         if len(self.tokens[seq_id]) % self.block_size != 0 and self.ref_count[self.tables[seq_id][-1]] > 1:
             self._copy_on_write(seq_id)
         super().append(seq_id, token_id)
@@ -279,7 +279,7 @@ class BlockManager(PrefixCachingAllocator):
 def cache_computed(manager: BlockManager, seq_id, num_computed: int) -> None:
     """Only the sequence's full blocks within its first num_computed tokens (whose keys and values
     exist) are findable: those are registered, the blocks past them forget their prefix."""
-    _check_known(manager, seq_id)
+    validate_known(manager, seq_id)
     table, tokens, bs = manager.tables[seq_id], manager.tokens[seq_id], manager.block_size
     parent = manager.salts.get(seq_id)  # the salt heads the chain
     for i, block in enumerate(table):
@@ -296,7 +296,7 @@ class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        _check_pool_shape(shape)
+        validate_pool_shape(shape)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -318,7 +318,7 @@ def make_paged_cache(config, num_blocks: int, block_size: int = 16, dtype: torch
 def gather_reference(cache: PagedKVCache, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first `length` keys and values, (Hkv, length, D) each, block by block."""
     bs = cache.k.shape[1]
-    _check_gather(len(block_table), bs, length)
+    validate_gather(len(block_table), bs, length)
     ks, vs = [], []
     for i, block in enumerate(block_table):
         n = min(bs, length - i * bs)  # tokens used in this block: bs, except in the last one
@@ -353,7 +353,7 @@ def batch_layout(manager: BlockManager, seq_ids: list, new_tokens: int | list[in
     """
     lengths = list(lengths) if lengths is not None else [manager.num_tokens(s) for s in seq_ids]
     new = [new_tokens] * len(seq_ids) if isinstance(new_tokens, int) else list(new_tokens)
-    _check_layout(seq_ids, new_tokens, new, lengths, sink_slot)
+    validate_layout(seq_ids, new_tokens, new, lengths, sink_slot)
     cached = [L - n for L, n in zip(lengths, new)]
     C, T = max(cached), max(new)
     slots, gather, mask, positions = [], [], [], []
@@ -386,7 +386,7 @@ class PagedView:
 
     def update(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, Hkv, T, D) at layout.slots; return all keys/values (B, Hkv, S, D), a dense copy."""
-        _check_update(self.layout, self.cache.k.shape, pos, k, v)
+        validate_update(self.layout, self.cache.k.shape, pos, k, v)
         k_pool, v_pool = self.write(k, v)
         k_all = k_pool[self.layout.gather].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D): the gather, a copy
         v_all = v_pool[self.layout.gather].transpose(1, 2)
@@ -395,7 +395,7 @@ class PagedView:
 def paged_forward(model, cache: list[PagedKVCache], manager: BlockManager, seq_ids: list,
                   input_ids: torch.Tensor) -> torch.Tensor:
     """Logits (B, T, V) for input_ids (B, T): the last T accounted tokens of each sequence."""
-    _check_forward(model, cache, seq_ids, input_ids)
+    validate_forward(model, cache, seq_ids, input_ids)
     layout = batch_layout(manager, seq_ids, input_ids.shape[1], device=input_ids.device)
     views = [PagedView(c, layout) for c in cache]
     return model(input_ids, positions=layout.positions, attention_mask=layout.attention_mask,

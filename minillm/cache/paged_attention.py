@@ -64,7 +64,7 @@ def fold_block(state: SoftmaxState, scores: torch.Tensor, values: torch.Tensor) 
     return SoftmaxState(m, state.l * rescale + p.sum(-1), state.acc * rescale[..., None] + p @ values)
 
 
-def _check_reference(q, cache, block_table, length) -> None:
+def _validate_reference(q, cache, block_table, length) -> None:
     N, bs, Hkv, D = cache.k.shape
     if q.dim() != 3 or q.shape[-1] != D or q.shape[0] % Hkv != 0:
         raise ValueError(f"paged_attention_reference: q must be (H, T, D) with D = {D} and H a multiple of "
@@ -78,7 +78,7 @@ def paged_attention_reference(q: torch.Tensor, cache: PagedKVCache, block_table:
                               scale: float | None = None) -> torch.Tensor:
     """Attention of one sequence's last T tokens: q (H, T, D) -> (H, T, D), causal over its `length`
     keys, read block by block from `cache` through `block_table`, never gathered."""
-    _check_reference(q, cache, block_table, length)
+    _validate_reference(q, cache, block_table, length)
     (H, T, D), bs, Hkv = q.shape, cache.k.shape[1], cache.k.shape[2]
     qg = q.view(Hkv, H // Hkv, T, D) * (D ** -0.5 if scale is None else scale)  # (H, T, D) -> (Hkv, G, T, D)
     allowed = causal_mask(T, length, length - T, q.device)                       # (T, length): notebook 02's rule
@@ -201,7 +201,7 @@ def _probe(config, dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
-def check_attention(attention: str, config=None, dtype: torch.dtype = torch.float32, device="cpu") -> str:
+def validate_attention(attention: str, config=None, dtype: torch.dtype = torch.float32, device="cpu") -> str:
     """The engine's `attention` argument, checked; "paged" also probes the kernel now (and fails here)."""
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
@@ -212,7 +212,7 @@ def check_attention(attention: str, config=None, dtype: torch.dtype = torch.floa
 
 def use_paged_attention(attention: str, config, dtype: torch.dtype, device) -> bool:
     """attention: "auto" (paged where the kernel runs, else gather and warn), "paged" (or an error), "gather"."""
-    if check_attention(attention) == "gather":
+    if validate_attention(attention) == "gather":
         return False
     device = torch.device(device)
     key = (device.type, dtype, config.num_attention_heads, config.num_key_value_heads, config.head_dim)

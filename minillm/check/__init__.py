@@ -20,11 +20,11 @@ a spreadsheet does not read 3/3 as a date). An exercise is named by the referenc
 generated from (09_sampling), else by the file's stem. It runs students' code: use a sandbox.
 
 The checks live in minillm/check/model.py (notebooks 01-05), minillm/check/loading.py (06, 07, 10),
-minillm/check/serving.py (08-13), minillm/check/engine.py (12, 14), check_speculative.py (17),
+minillm/check/serving.py (08-13), minillm/check/engine.py (12, 14), validate_speculative.py (17),
 check_lora.py (19) and check_first_versions.py (the lessons' first versions in 02, 10 and 13:
 naive_attention, greedy_decode, fake_quant). The exploration tasks' checks (check.explore_<name>, named in EXPLORE,
 not in CHECKS: they take a measured number and run in the notebook) are in minillm/check/explore.py
-(counts and bytes), check_engine.py (12 and 14: measurements), check_speculative.py (17) and
+(counts and bytes), check_engine.py (12 and 14: measurements), validate_speculative.py (17) and
 check_lora.py (19). All run on the harness of minillm/check/harness.py;
 this module names them (CHECKS, EXPLORE) and runs them.
 """
@@ -41,9 +41,9 @@ import re
 import sys
 import types
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
-from minillm.check import engine as check_engine, explore as check_explore, lora as check_lora, speculative as check_speculative
+from minillm.check import engine as check_engine, explore as check_explore, lora as check_lora, speculative as validate_speculative
 from minillm.check.engine import (admit, explore_speedup_16, explore_text_share, make_room, output_events,
                                   preempt_seq)
 from minillm.check.explore import (
@@ -131,7 +131,7 @@ CHECKS: dict[str, Callable[[object], bool]] = {
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
 EXPLORE: dict[str, Callable[[object], bool]] = {**check_explore.EXPLORE, **check_engine.EXPLORE,
-                                                 **check_speculative.EXPLORE, **check_lora.EXPLORE}
+                                                 **validate_speculative.EXPLORE, **check_lora.EXPLORE}
 """Exploration name (the answer's variable) -> its check, which takes the number (check.explore_<name>)."""
 
 _EXPORT = re.compile(r"^#\|\s*export")

@@ -19,6 +19,7 @@ from minillm.runtime.engine import FINISHED, RUNNING, WAITING, Output, Sequence
 from minillm.serve.openai_protocol import Reply
 from minillm.cache.paged import BlockManager
 from minillm.runtime.sampling import SamplingParams
+from minillm.utils.validate import is_number
 
 
 # ------------------------------------------------------------------ 12 engine: the reference scheduler
@@ -227,7 +228,7 @@ def explore_speedup_16(speedup_16) -> bool:
     A measurement, so the check asks for a plausible number: more than 1 (a decode step for 16 reads
     the weights once, as for 1) and at most about 16 (each request still needs its own arithmetic)."""
     def body():
-        if not isinstance(speedup_16, (int, float)) or isinstance(speedup_16, bool):
+        if not is_number(speedup_16):
             fail(f"speedup_16 is {speedup_16!r}, expected a number (tokens/s at 16 requests over tokens/s at 1)")
         if speedup_16 < 1:
             fail(f"speedup_16 = {speedup_16:.3g}, below 1",
@@ -370,7 +371,7 @@ def explore_text_share(text_share) -> bool:
     A measurement: each chunk repeats the answer's id, object, time and model around a few bytes of
     text, so the share is small but not zero."""
     def body():
-        if not isinstance(text_share, (int, float)) or isinstance(text_share, bool):
+        if not is_number(text_share):
             fail(f"text_share is {text_share!r}, expected a number (text bytes / stream bytes)")
         if text_share > 1:
             fail(f"text_share = {text_share:.3g}, more than 1", "divide the text's bytes by all the events' bytes, "

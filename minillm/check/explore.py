@@ -13,7 +13,7 @@ of the answer: a teacher reads it.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import lru_cache, cache
 from pathlib import Path
 
 import torch
@@ -137,7 +137,7 @@ def explore_mlp_share_of_model(value) -> bool:
 # ------------------------------------------------------------------ 05 model: when attention outweighs the weights
 
 
-def _meta_model(config: str) -> CausalLM:
+def meta_model(config: str) -> CausalLM:
     with torch.device("meta"):
         return CausalLM(ModelConfig.from_json(CONFIGS / f"{config}.json"))
 
@@ -148,7 +148,7 @@ def attention_crossover_tokens(config: str = "SmolLM2-135M-Instruct", heads: str
     weighted sum of t values, every head of every layer) is at least its weight matmuls' (the head too).
     The keywords plant the known slips (kv heads, no output head, scores only)."""
     c = ModelConfig.from_json(CONFIGS / f"{config}.json")
-    model = _meta_model(config)
+    model = meta_model(config)
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     if head and model.lm_head is None:  # tied: the head multiplies by the embedding matrix
         weights += c.vocab_size * c.hidden_size
@@ -185,7 +185,7 @@ def qwen7b_bytes(q8: float = Q8_0_BYTES, q4: float = Q4_1_BYTES, float_bytes: in
 
     The recipe: embedding and output head Q8_0, every other matrix Q4_1, norms and biases float32."""
     file = loaded = 0.0
-    for name, p in _meta_model(config).named_parameters():
+    for name, p in meta_model(config).named_parameters():
         if "embed_tokens" in name or name.startswith("lm_head"):
             file += p.numel() * q8
         elif p.dim() == 2:
@@ -257,7 +257,7 @@ def explore_chinese_share(value) -> bool:
 # ------------------------------------------------------------------ 08 kv cache: cache against weights
 
 
-@lru_cache(maxsize=None)
+@cache
 def kv_crossover_tokens(config: str = "Qwen2.5-0.5B-Instruct") -> int:
     """The fewest tokens (batch 1) whose bf16 KV cache exceeds or equals the model's bf16 weights."""
     c = ModelConfig.from_json(CONFIGS / f"{config}.json")

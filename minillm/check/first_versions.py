@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.check.harness import bounded, compare, fail, run_check
-from minillm.check.loading import _tiny_lm
+from minillm.check.loading import tiny_lm
 from minillm.cache.dense import make_cache
 
 # ------------------------------------------------------------------ 02 attention: the formula
@@ -52,7 +52,7 @@ def _greedy_ref(model, prompt_ids, n, *, cache: bool = True, first_advance: str 
     """The loop of notebook 10 with switches for the known slips; returns the n + passes new ids."""
     kv = make_cache(model.config, 1, len(prompt_ids) + n + 1)
     seen, ids, start_pos, tokens = list(prompt_ids), torch.tensor([prompt_ids]), 0, []
-    for step in range(n + passes):
+    for _step in range(n + passes):
         if cache:
             logits = model(ids, cache=kv, start_pos=start_pos, logits_to_keep=1)[:, -1]
         else:
@@ -95,7 +95,7 @@ _GREEDY_MISTAKES = [
 def greedy_decode(fn) -> bool:
     """greedy_decode(model, prompt_ids, n) -> (n new ids, n seconds): prefill once, then one token a pass."""
     def body():
-        model, _ = _tiny_lm()
+        model, _ = tiny_lm()
         prompt, n = [7, 4, 11, 11, 14], 8
         got, widths = _greedy_run(fn, model, prompt, n)
         want, want_widths = _greedy_ref(model, prompt, n, cache=False), [len(prompt)] + [1] * (n - 1)

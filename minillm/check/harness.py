@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from minillm.utils.validate import is_number
 
 
 class CheckFailed(Exception):
@@ -86,7 +87,7 @@ def as_number(what: str, got) -> float:
     """A student's answer as a float (a 0-d tensor too); fail naming its type otherwise."""
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
+    if not is_number(got):
         fail(f"{what}: expected a number, got {type(got).__name__}")
     return float(got)
 

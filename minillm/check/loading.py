@@ -131,7 +131,7 @@ def bpe(fn) -> bool:
         ranks = _qwen_ranks()
         for text in _QWEN_TEXTS:
             run(f"bpe({text.encode()!r}, Qwen's ranks)", text.encode(), ranks, None)
-        token = " tokenization".encode()
+        token = b" tokenization"
         for token in (b" tokenization", b" hello", "你好".encode()):
             if token in ranks:
                 run(f"bpe({token!r}, Qwen's ranks, max_rank={ranks[token]}) (its own rank)", token, ranks, ranks[token])
@@ -279,7 +279,7 @@ def stop_strings_push(cls) -> bool:
 _VOCAB = "abcdefghijklmnopqrstuvwxyz .,!?"
 
 
-def _tiny_lm() -> tuple[CausalLM, _ByteTokenizer]:
+def tiny_lm() -> tuple[CausalLM, _ByteTokenizer]:
     cfg = ModelConfig(model_type="qwen2", vocab_size=len(_VOCAB), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=True)
@@ -320,7 +320,7 @@ def _record_calls(model):
 def stream(fn) -> bool:
     """stream(model, tokenizer, prompt_ids, ...): prefill once, then decode one token at a time with the cache."""
     def body():
-        model, tok = _tiny_lm()
+        model, tok = tiny_lm()
         prompt = [7, 4, 11, 11, 14]
         greedy = SamplingParams(temperature=0)
         sampled = SamplingParams(temperature=0.9, top_k=12, repetition_penalty=1.5, seed=0)

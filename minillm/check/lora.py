@@ -10,12 +10,12 @@ notebook's formula.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from types import SimpleNamespace
 
 import torch
 
-from minillm.check.explore import _meta_model
+from minillm.check.explore import meta_model
 from minillm.check.harness import close_to, compare, fail, run_check, run_explore
 from minillm.weights.lora import TARGET_MODULES
 
@@ -73,12 +73,12 @@ def multi_lora_linear_forward(cls) -> bool:
 # ------------------------------------------------------------------ the exploration: an adapter's bytes
 
 
-@lru_cache(maxsize=None)
+@cache
 def adapter_megabytes(r: int = 32, bytes_per_value: int = 4, config: str = "SmolLM2-135M-Instruct",
                       gqa: bool = True) -> float:
     """Megabytes (10^6 bytes) of a rank-r adapter on all seven projections of every layer of `config`:
     r (in + out) values per adapted linear. gqa=False plants a slip: k and v as wide as q."""
-    model = _meta_model(config)
+    model = meta_model(config)
     values = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGET_MODULES:

@@ -293,7 +293,7 @@ def quantize_int4(fn) -> bool:
                 fail(f"{what}: q decodes {int(bad.sum())} weights to more than half a step from w; first at "
                      f"(row, group, i) = {idx}", "q = round((w - lo) / scale): lo -> 0, hi -> 15")
         expect_raises("quantize_int4(w (3, 96), group_size=64)", ValueError, lambda: fn(w[:, :96], 64),
-                      "the group size must divide K: call check_group_size(K, group_size, name) first")
+                      "the group size must divide K: call validate_group_size(K, group_size, name) first")
     return run_check("quantize_int4", body)
 
 

@@ -3,7 +3,7 @@
 """Scaled dot-product attention with causal and padding masks and grouped-query attention.
 
 Built in notebooks/02_attention.ipynb, which explains every piece; checked there and in
-tests/test_attention.py against torch.nn.functional.scaled_dot_product_attention and
+tests/model/test_attention.py against torch.nn.functional.scaled_dot_product_attention and
 transformers' repeat_kv and eager attention.
 
 Shapes: B batch, H query heads, Hkv key/value heads, T queries, S keys, D head dim.
@@ -26,13 +26,14 @@ import torch
 from torch import Tensor
 
 from minillm.model.devices import on_host
+from minillm.utils.validate import is_int, is_positive_int
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     """(B, Hkv, S, D) -> (B, Hkv * n_rep, S, D): kv head g serves query heads g*n_rep .. g*n_rep + n_rep - 1."""
     if x.ndim != 4:
         raise ValueError(f"repeat_kv: x must be 4-D (B, Hkv, S, D), got shape {tuple(x.shape)}")
-    if isinstance(n_rep, bool) or not isinstance(n_rep, int) or n_rep < 1:
+    if not is_positive_int(n_rep):
         raise ValueError(f"repeat_kv: n_rep must be an int >= 1, got {n_rep!r}")
     if n_rep == 1:
         return x
@@ -48,7 +49,7 @@ def causal_mask(T: int, S: int, start: int = 0, device: torch.device | str | Non
     normally S = start + T; a larger S (a preallocated cache) masks the keys past start + T - 1.
     """
     for name, value in (("T", T), ("S", S), ("start", start)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"causal_mask: {name} must be an int >= 0, got {value!r}")
     if start + T > S:
         raise ValueError(f"causal_mask: start + T = {start} + {T} = {start + T} queries need S >= {start + T} keys, got S = {S}")
@@ -57,7 +58,7 @@ def causal_mask(T: int, S: int, start: int = 0, device: torch.device | str | Non
     return cols <= rows                                             # (T, S)
 
 
-def _check_shapes(q: Tensor, k: Tensor, v: Tensor | None = None, mask: Tensor | None = None) -> None:
+def _validate_shapes(q: Tensor, k: Tensor, v: Tensor | None = None, mask: Tensor | None = None) -> None:
     """Raise ValueError/TypeError naming the bad tensor unless q (B, H, T, D), k and v (B, Hkv, S, D)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t is not None and t.ndim != 4:
@@ -95,7 +96,7 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: f
     check=False skips the shape checks: for a caller that checked its inputs once, at its own entry.
     """
     if check:
-        _check_shapes(q, k, mask=mask)
+        _validate_shapes(q, k, mask=mask)
     B, H, T, D = q.shape
     k = repeat_kv(k, H // k.shape[1])                          # (B, Hkv, S, D) -> (B, H, S, D)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -121,7 +122,7 @@ def scaled_dot_product_attention(
     checked once per forward (notebook 05), so a decode step does no per-layer validation.
     """
     if check:
-        _check_shapes(q, k, v, mask)
+        _validate_shapes(q, k, v, mask)
     weights = attention_weights(q, k, mask, scale, check=False)  # (B, H, T, S)
     return weights @ repeat_kv(v, q.shape[1] // v.shape[1])    # (B, H, T, S) @ (B, H, S, D) -> (B, H, T, D)
 

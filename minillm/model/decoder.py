@@ -30,6 +30,7 @@ from minillm.model.attention import scaled_dot_product_attention
 from minillm.model.devices import on_host
 from minillm.model.layers import MLP, RMSNorm
 from minillm.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from minillm.utils.validate import is_number, is_positive_int
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 MAX_CONTEXT = 2**24  # positions; the longest real contexts (1M-10M tokens) fit
@@ -59,12 +60,12 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
-        check_config(self)  # sizes are positive ints, head_dim even, eps and theta positive (Plumbing)
+        validate_config(self)  # sizes are positive ints, head_dim even, eps and theta positive (Plumbing)
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> ModelConfig:
         """Build from a config.json dict; errors name the field and `source` (e.g. the file)."""
-        check_config_dict(cfg, source)  # a supported model_type and every field we read (Plumbing)
+        validate_config_dict(cfg, source)  # a supported model_type and every field we read (Plumbing)
         try:
             return cls(**hf_config_fields(cfg))
         except (TypeError, ValueError, ArithmeticError) as exc:  # a field of the wrong type or value
@@ -117,14 +118,14 @@ _REQUIRED = (
 )
 
 
-def check_config(config: ModelConfig) -> None:
+def validate_config(config: ModelConfig) -> None:
     """Every config, from config.json or a GGUF file, is checked here: sizes are positive ints
     (a head_dim of 1e-30, "llama" or NaN would fail deep inside torch.empty), and the context
     stays within what a position table can hold."""
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_positive_int(value):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if config.head_dim % 2:
         raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {config.head_dim}")
@@ -132,11 +133,11 @@ def check_config(config: ModelConfig) -> None:
         raise ValueError(f"max_position_embeddings {config.max_position_embeddings} is over {MAX_CONTEXT}")
     for name in ("rms_norm_eps", "rope_theta"):
         value = getattr(config, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+        if not is_number(value) or not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
-def check_config_dict(cfg: dict, source: str) -> None:
+def validate_config_dict(cfg: dict, source: str) -> None:
     """A raw config.json dict: a supported model_type and every field from_dict reads; errors name `source`."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{source}: a model config must be a JSON object, got {type(cfg).__name__}")
@@ -177,7 +178,7 @@ def read_config_json(path: str | Path) -> tuple[dict, Path]:
 
 def _ratio(hidden_size, heads):
     """hidden_size // heads when both are positive ints, else hidden_size (the check then names the bad field)."""
-    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden_size, heads))
+    ok = all(is_positive_int(v) for v in (hidden_size, heads))
     return hidden_size // heads if ok else hidden_size
 
 
@@ -256,7 +257,7 @@ def padded_positions(attention_mask: torch.Tensor, start_pos: int) -> torch.Tens
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]
 
 
-def check_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+def validate_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                          cache: list | None, start_pos: int, logits_to_keep: int | torch.Tensor) -> tuple[int, int, int]:
     """The checks of forward's arguments, once per call (shared with the fast path of notebook 15);
     returns (B, T, S). Nothing inside the layers checks again.
@@ -319,7 +320,7 @@ class CausalLM(nn.Module):
         positions (B, T) or (T,); attention_mask (B, start_pos + T), 1 = token, 0 = padding; cache: one
         object per layer with `update(pos, k, v)`; logits_to_keep = n > 0: the last n positions only
         (a 1-D tensor: those columns)."""
-        B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
+        B, T, S = validate_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         if positions is None:
             if attention_mask is None:
                 positions = torch.arange(start_pos, S, device=input_ids.device)  # (T,)

@@ -17,7 +17,7 @@ import time
 import torch
 
 
-def _check_preferred(prefer: str, available: dict[str, bool]) -> None:
+def _validate_preferred(prefer: str, available: dict[str, bool]) -> None:
     if prefer not in available:
         raise ValueError(f"pick_device: prefer must be one of {sorted(available)}, got {prefer!r}")
     if not available[prefer]:
@@ -32,7 +32,7 @@ def pick_device(prefer: str | None = None) -> torch.device:
         "cpu": True,
     }
     if prefer is not None:
-        _check_preferred(prefer, available)
+        _validate_preferred(prefer, available)
         return torch.device(prefer)
     return torch.device(next(name for name, ok in available.items() if ok))
 

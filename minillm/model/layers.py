@@ -3,7 +3,7 @@
 """Normalisation and feed-forward layers of Qwen/Llama decoders: RMSNorm and the SwiGLU MLP.
 
 Built in notebooks/04_norm_mlp.ipynb, which explains each piece (why fp32 accumulation, what
-eps does, why a gate); checked there against torch and in tests/test_layers.py against
+eps does, why a gate); checked there against torch and in tests/model/test_layers.py against
 transformers' Qwen2RMSNorm, Qwen2MLP and LlamaMLP. Parameter names are Hugging Face's
 (`weight`, `gate_proj`, `up_proj`, `down_proj`), so a checkpoint's state dict loads by name.
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def _check_norm_weight(x: Tensor, weight: Tensor) -> None:
+def _validate_norm_weight(x: Tensor, weight: Tensor) -> None:
     if weight.shape != (x.shape[-1],):
         raise ValueError(
             f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, "
@@ -37,7 +37,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, check: bool = True) -> Te
     (the RMSNorm module: its weight was made to size).
     """
     if check:
-        _check_norm_weight(x, weight)
+        _validate_norm_weight(x, weight)
     input_dtype = x.dtype
     x32 = x.to(torch.float32)
     mean_sq = x32.pow(2).mean(-1, keepdim=True)  # (..., 1), in fp32 whatever the input dtype

@@ -2,7 +2,7 @@
 
 """Rotary position embedding (RoPE): frequencies, cos/sin tables, the rotation, rope_scaling.
 
-Built in notebooks/03_rope.ipynb, which explains every piece; tests/test_rope.py checks them
+Built in notebooks/03_rope.ipynb, which explains every piece; tests/model/test_rope.py checks them
 against Hugging Face transformers (Qwen2RotaryEmbedding, LlamaRotaryEmbedding,
 apply_rotary_pos_emb).
 
@@ -24,11 +24,12 @@ import math
 
 import torch
 from torch import Tensor
+from minillm.utils.validate import is_number, is_positive_int
 
 
-def _check_head_dim_theta(head_dim: int, rope_theta: float) -> float:
+def _validate_head_dim_theta(head_dim: int, rope_theta: float) -> float:
     """head_dim a positive even int and rope_theta > 1, or ValueError; returns rope_theta as a float."""
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+    if not is_positive_int(head_dim) or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even integer, got {head_dim!r}")
     rope_theta = float(rope_theta)
     if not rope_theta > 1.0:
@@ -36,12 +37,12 @@ def _check_head_dim_theta(head_dim: int, rope_theta: float) -> float:
     return rope_theta
 
 
-def _check_even_last_dim(x: Tensor) -> None:
+def _validate_even_last_dim(x: Tensor) -> None:
     if x.shape[-1] % 2:
         raise ValueError(f"rotate_half: the last dim must be even, got x of shape {tuple(x.shape)}")
 
 
-def _check_positions(positions: Tensor, inv_freq: Tensor) -> None:
+def _validate_positions(positions: Tensor, inv_freq: Tensor) -> None:
     if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
         raise TypeError(f"rope_cos_sin: positions must be an integer tensor, got {positions.dtype}")
     if positions.ndim not in (1, 2):
@@ -50,7 +51,7 @@ def _check_positions(positions: Tensor, inv_freq: Tensor) -> None:
         raise ValueError(f"rope_cos_sin: inv_freq must be (D/2,), got shape {tuple(inv_freq.shape)}")
 
 
-def _check_rope_shapes(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+def _validate_rope_shapes(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     if x.ndim != 4 or cos.ndim != 3 or cos.shape != sin.shape:
         raise ValueError(
             f"apply_rope: expected x (B, H, T, D) and cos, sin (B, T, D), got x {tuple(x.shape)}, "
@@ -74,7 +75,7 @@ def _rope_type(rope_scaling: dict) -> str:
 def _scaling_value(rope_scaling: dict, key: str, rope_type: str) -> float:
     """rope_scaling[key] as a positive float, or a ValueError naming the key."""
     value = rope_scaling.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise ValueError(f"rope_scaling[{key!r}] must be a positive number for rope_type {rope_type!r}, got {value!r}")
     return float(value)
 
@@ -92,14 +93,14 @@ def _llama3_params(rope_scaling: dict) -> tuple[float, float, float, float]:
 
 def _base_inv_freq(head_dim: int, rope_theta: float) -> Tensor:
     """theta^(-2i/D) for i = 0..D/2-1, float32, with the same operations as transformers."""
-    rope_theta = _check_head_dim_theta(head_dim, rope_theta)
+    rope_theta = _validate_head_dim_theta(head_dim, rope_theta)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # 2i/D, (D/2,)
     return 1.0 / (rope_theta**exponents)
 
 
 def rotate_half(x: Tensor) -> Tensor:
     """(x1, x2) -> (-x2, x1) on the two halves of the last dim: pair (i, i + D/2) turned by 90 degrees."""
-    _check_even_last_dim(x)
+    _validate_even_last_dim(x)
     x1, x2 = x.chunk(2, dim=-1)  # (..., D) -> two (..., D/2)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -112,7 +113,7 @@ def rope_cos_sin(
     positions: (T,) or (B, T) integers (a 1-D input gives B = 1); inv_freq: (D/2,).
     The angles are computed in float32; only the results are cast to `dtype`.
     """
-    _check_positions(positions, inv_freq)
+    _validate_positions(positions, inv_freq)
     if positions.ndim == 1:
         positions = positions[None]  # (T,) -> (1, T)
     inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
@@ -129,7 +130,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, check: bool = True) -> Te
     their shapes were fixed once, at the model's entry).
     """
     if check:
-        _check_rope_shapes(x, cos, sin)
+        _validate_rope_shapes(x, cos, sin)
     cos = cos[:, None].to(x.dtype)  # (B, T, D) -> (B, 1, T, D): the same angles for every head
     sin = sin[:, None].to(x.dtype)
     return x * cos + rotate_half(x) * sin

@@ -3,7 +3,7 @@
 """A small strided tensor: storage, layout (shape, strides, offset) and dtype.
 
 Built in notebooks/01_tensors.ipynb, which explains every piece; each is checked there and in
-tests/test_tensor.py against PyTorch, which uses the same memory model.
+tests/model/test_tensor.py against PyTorch, which uses the same memory model.
 
 References:
 - E. Yang, "PyTorch internals" (2019): strides, storage and views.
@@ -17,7 +17,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ DTYPES: dict[str, tuple[str, torch.dtype]] = {
 }
 
 
-def _check_dtype(dtype: str) -> None:
+def _validate_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"Storage: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
@@ -44,36 +44,36 @@ def _require(ok: bool, message: str, error: type[Exception] = ValueError) -> Non
     if not ok:
         raise error(message)
 
-def _check_index(index: Sequence[int], shape: tuple[int, ...]) -> None:
+def _validate_index(index: Sequence[int], shape: tuple[int, ...]) -> None:
     if len(index) != len(shape):
         raise ValueError(f"index {tuple(index)} has {len(index)} entries, tensor has {len(shape)} dims")
     for d, (i, size) in enumerate(zip(index, shape)):
         if not 0 <= i < size:
             raise IndexError(f"index {i} out of range for dim {d} of size {size}")
 
-def _check_fits(storage, layout) -> None:
+def _validate_fits(storage, layout) -> None:
     if layout.numel() > 0:
         last = layout.offset + sum((s - 1) * st for s, st in zip(layout.shape, layout.stride))
         if layout.offset < 0 or last >= len(storage) or any(st < 0 for st in layout.stride):
             raise ValueError(f"layout {layout} reads outside a storage of {len(storage)} elements")
 
-def _check_dim(dim: int, ndim: int, name: str = "dim") -> int:
+def _validate_dim(dim: int, ndim: int, name: str = "dim") -> int:
     if not -ndim <= dim < max(ndim, 1):
         raise ValueError(f"{name} {dim} out of range for a tensor with {ndim} dimensions")
     return dim % ndim if ndim else 0
 
-def _check_position(index: int, size: int, dim: int) -> int:
+def _validate_position(index: int, size: int, dim: int) -> int:
     if not -size <= index < size:
         raise IndexError(f"index {index} out of range for dim {dim} of size {size}")
     return index % size
 
-def _check_permutation(dims: Sequence[int], ndim: int) -> list[int]:
-    dims = [_check_dim(d, ndim) for d in dims]
+def _validate_permutation(dims: Sequence[int], ndim: int) -> list[int]:
+    dims = [_validate_dim(d, ndim) for d in dims]
     if sorted(dims) != list(range(ndim)):
         raise ValueError(f"permute: dims {tuple(dims)} is not a permutation of 0..{ndim - 1}")
     return dims
 
-def _check_narrow(size: int, dim: int, start: int, length: int) -> None:
+def _validate_narrow(size: int, dim: int, start: int, length: int) -> None:
     if start < 0 or length < 0 or start + length > size:
         raise ValueError(f"narrow: start {start} + length {length} exceeds size {size} of dim {dim}")
 
@@ -110,7 +110,7 @@ def _slice_range(k, size: int, dim: int) -> tuple[int, int, int]:
         raise ValueError(f"slice step must be positive, got {step} for dim {dim}")
     return start, stop, step
 
-def _check_matmul(a, b) -> tuple[int, int, int]:
+def _validate_matmul(a, b) -> tuple[int, int, int]:
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul needs at least 2 dims on each side, got shapes {a.shape} and {b.shape}")
     (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
@@ -125,7 +125,7 @@ class Storage:
     """A flat, typed buffer of numbers: the only place a tensor's values live."""
 
     def __init__(self, values: Sequence[float], dtype: str = "float32"):
-        _check_dtype(dtype)
+        _validate_dtype(dtype)
         self.dtype = dtype
         self.data = array.array(DTYPES[dtype][0], values)
 
@@ -178,7 +178,7 @@ class Layout:
 
     def position(self, index: Sequence[int]) -> int:
         """Storage position of the element at `index`: offset + sum(i_d * stride_d)."""
-        _check_index(index, self.shape)
+        _validate_index(index, self.shape)
         return self.offset + sum(i * stride for i, stride in zip(index, self.stride))
 
     def positions(self) -> Iterator[int]:
@@ -265,7 +265,7 @@ class Tensor(_TorchStyle):
     """A view of a Storage through a Layout. Views share storage; only contiguous() copies."""
 
     def __init__(self, storage: Storage, layout: Layout):
-        _check_fits(storage, layout)
+        _validate_fits(storage, layout)
         self.storage = storage
         self.layout = layout
 
@@ -307,7 +307,7 @@ def _view(t: Tensor, shape, stride, offset) -> Tensor:
 
 def transpose(t: Tensor, dim0: int, dim1: int) -> Tensor:
     """Swap two dimensions: swap their sizes and their strides. No copy."""
-    d0, d1 = _check_dim(dim0, t.ndim, "dim0"), _check_dim(dim1, t.ndim, "dim1")
+    d0, d1 = _validate_dim(dim0, t.ndim, "dim0"), _validate_dim(dim1, t.ndim, "dim1")
     shape, stride = list(t.shape), list(t.stride())
     shape[d0], shape[d1] = shape[d1], shape[d0]
     stride[d0], stride[d1] = stride[d1], stride[d0]
@@ -316,14 +316,14 @@ def transpose(t: Tensor, dim0: int, dim1: int) -> Tensor:
 
 def permute(t: Tensor, dims: Sequence[int]) -> Tensor:
     """Reorder all dimensions, e.g. (B, T, H, D) -> (B, H, T, D) with dims (0, 2, 1, 3)."""
-    dims = _check_permutation(dims, t.ndim)
+    dims = _validate_permutation(dims, t.ndim)
     return _view(t, [t.shape[d] for d in dims], [t.stride()[d] for d in dims], t.layout.offset)
 
 
 def narrow(t: Tensor, dim: int, start: int, length: int) -> Tensor:
     """Elements start..start+length-1 along `dim`: move the offset, shrink the size."""
-    d = _check_dim(dim, t.ndim)
-    _check_narrow(t.shape[d], d, start, length)
+    d = _validate_dim(dim, t.ndim)
+    _validate_narrow(t.shape[d], d, start, length)
     shape = list(t.shape)
     shape[d] = length
     return _view(t, shape, t.stride(), t.layout.offset + start * t.stride()[d])
@@ -331,8 +331,8 @@ def narrow(t: Tensor, dim: int, start: int, length: int) -> Tensor:
 
 def select(t: Tensor, dim: int, index: int) -> Tensor:
     """Index one position along `dim`, removing that dimension."""
-    d = _check_dim(dim, t.ndim)
-    index = _check_position(index, t.shape[d], d)
+    d = _validate_dim(dim, t.ndim)
+    index = _validate_position(index, t.shape[d], d)
     shape = t.shape[:d] + t.shape[d + 1 :]
     stride = t.stride()[:d] + t.stride()[d + 1 :]
     return _view(t, shape, stride, t.layout.offset + index * t.stride()[d])
@@ -383,7 +383,7 @@ def getitem(t: Tensor, key) -> Tensor | float:
     for d, (size, st) in enumerate(zip(t.shape, t.stride())):
         k = key[d] if d < len(key) else slice(None)
         if isinstance(k, int):  # select: the dimension disappears
-            offset += _check_position(k, size, d) * st
+            offset += _validate_position(k, size, d) * st
         else:  # a slice: start moves the offset, step multiplies the stride
             start, stop, step = _slice_range(k, size, d)
             shape.append(len(range(start, stop, step)))
@@ -427,7 +427,7 @@ def mul(a: Tensor, b: Tensor | float) -> Tensor:
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """(..., M, K) @ (..., K, N) -> (..., M, N); batch dims broadcast. Reads any strides."""
-    m, k, n = _check_matmul(a, b)
+    m, k, n = _validate_matmul(a, b)
     batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
     ea, eb = expand(a, batch + (m, k)), expand(b, batch + (k, n))
     out = []

@@ -38,7 +38,8 @@ from torch import nn
 from minillm.model.devices import default_dtype
 from minillm.weights.hub import download
 from minillm.model.decoder import CausalLM, ModelConfig
-from minillm.weights.loading import _check_names_and_shapes, _gguf_tensors, _open_folder, _open_gguf
+from minillm.weights.loading import validate_names_and_shapes, gguf_tensors, open_folder, open_gguf
+from minillm.utils.validate import is_positive_int
 
 TP_TIMEOUT = 60.0  # seconds a collective waits for the other ranks before it fails
 
@@ -47,9 +48,9 @@ class RankLost(RuntimeError):
     """A collective failed: another rank died, or did not answer within the timeout."""
 
 
-def check_split(config: ModelConfig, world: int) -> None:
+def validate_split(config: ModelConfig, world: int) -> None:
     """Can `config` be split over `world` ranks? ValueError naming the sizes that do not divide."""
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+    if not is_positive_int(world):
         raise ValueError(f"tensor_parallel must be an int >= 1, got {world!r}")
     H, Hkv, I = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     bad = [f"num_attention_heads {H}"] if H % world else []
@@ -73,7 +74,7 @@ class Split:
     world: int
 
     def __post_init__(self):
-        check_split(self.config, self.world)
+        validate_split(self.config, self.world)
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank must be in [0, {self.world}), got {self.rank}")
 
@@ -229,9 +230,9 @@ def read_checkpoint(source: str | Path) -> tuple[ModelConfig, dict, Iterator[tup
     its name for errors. No tensor data is read until the stream is (safetensors: views of a memory map)."""
     path = Path(source)
     if path.suffix == ".gguf":
-        config, shapes, infos = _open_gguf(path)
-        return config, shapes, _gguf_tensors(config, shapes, infos), str(path)
-    return _open_folder(path)
+        config, shapes, infos = open_gguf(path)
+        return config, shapes, gguf_tensors(config, shapes, infos), str(path)
+    return open_folder(path)
 
 
 def load_shard(source: str | Path, rank: int, world: int, dtype: torch.dtype | None = None,
@@ -241,7 +242,7 @@ def load_shard(source: str | Path, rank: int, world: int, dtype: torch.dtype | N
     map, only their pages are read). A size that does not split raises ValueError naming it."""
     config, shapes, tensors, name = read_checkpoint(source)
     split = Split(config, rank, world)
-    _check_names_and_shapes(config, shapes, name)  # the whole model's names and shapes, on "meta"
+    validate_names_and_shapes(config, shapes, name)  # the whole model's names and shapes, on "meta"
     model = empty_shard(split, dtype, device)
     params, written = dict(model.named_parameters()), set()  # a tied head is listed once, as the embedding
     with torch.no_grad():

@@ -33,13 +33,14 @@ from minillm.text.constrained import Constraints, apply_constraints
 from minillm.weights.lora import adapter_index
 from minillm.model.decoder import CausalLM
 from minillm.cache.packed import PackedView, packed_layout
-from minillm.cache.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, check_attention, decode_layout,
+from minillm.cache.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, validate_attention, decode_layout,
                                      use_paged_attention)
 from minillm.cache.paged import BlockManager, PagedView, batch_layout, cache_computed, make_paged_cache
 from minillm.runtime.sampling import SamplingParams, make_generator, sample
-from minillm.runtime.sequence import (FINISHED, PREFILLING, RUNNING, WAITING, Output, Sequence, check_chunk,
-                              check_request, never_fits)
+from minillm.runtime.sequence import (FINISHED, PREFILLING, RUNNING, WAITING, Output, Sequence, validate_chunk,
+                              validate_request, never_fits)
 from minillm.text.tokenizer import Tokenizer
+from minillm.utils.validate import is_positive_int
 
 
 def admit(manager: BlockManager, waiting: deque[Sequence], running: list[Sequence], max_num_seqs: int,
@@ -306,7 +307,7 @@ def sample_batch(seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
 def choice_params(params: SamplingParams | None, n: int) -> list[SamplingParams | None]:
     """The parameters of n choices of one prompt: choice i samples with seed + i (no seed: every
     choice uses torch's global generator), so choice i equals a request of its own with that seed."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_positive_int(n):
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     if params is None or params.seed is None:
         return [params] * n
@@ -362,9 +363,9 @@ class EngineCore:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
         self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
-        self.attention = check_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 11
+        self.attention = validate_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 11
         self.max_prefill_tokens = max_prefill_tokens  # new tokens per packed forward
-        self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings, check_chunk(prefill_chunk))
+        self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings, validate_chunk(prefill_chunk))
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
         self.finish_reasons: Counter[str] = Counter()  # how requests ended: stop, length, abort, error
         self._ids, self.constraints = itertools.count(), Constraints(tokenizer, model.config.vocab_size)  # nb 18
@@ -407,7 +408,7 @@ class Engine(EngineCore):
                      response_format=None, adapter: str | None = None) -> Sequence:  # nb 18, nb 19 (a LoRA's name)
         """A checked request of n choices, not yet queued (no engine state touched: any thread may call it)."""
         def choice(params: SamplingParams | None) -> Sequence:
-            ids, params, text = check_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
+            ids, params, text = validate_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
                                               prompt_ids, params, max_new_tokens, stop, eos_token_ids)
             return Sequence(next(self._ids), ids, params, text, make_generator(params.seed, self.device),
                             constraint=self.constraints.for_format(response_format),  # nb 18: one per choice

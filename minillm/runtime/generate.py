@@ -24,6 +24,7 @@ from minillm.cache.dense import make_cache
 from minillm.model.decoder import CausalLM
 from minillm.runtime.sampling import SamplingParams, make_generator, sample
 from minillm.text.tokenizer import StreamDecoder, Tokenizer
+from minillm.utils.validate import is_positive_int
 
 
 class StopStrings:
@@ -101,7 +102,7 @@ class Metrics:
                 f"({self.tokens_per_s:.1f} tok/s), peak memory {self.peak_memory_mib:.0f} MiB on {self.device}")
 
 
-def _metrics(prompt_tokens: int, generated: int, start: float, prefill_done: float, first_token_at: float,
+def generation_metrics(prompt_tokens: int, generated: int, start: float, prefill_done: float, first_token_at: float,
              end: float, device: torch.device) -> Metrics:
     """Metrics from the loop's four clock readings (seconds): the first token's time is in the
     time to first token, so decoding is the generated - 1 tokens after it."""
@@ -118,10 +119,10 @@ def _metrics(prompt_tokens: int, generated: int, start: float, prefill_done: flo
     )
 
 
-def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int, vocab_size: int) -> list[int]:
+def validate_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int, vocab_size: int) -> list[int]:
     """The one check of a request's prompt and length, for `stream`, `generate_batch` and the engine:
     the ids as a list of ints, or ValueError naming what is wrong and the numbers involved."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not is_positive_int(max_new_tokens):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     ids = [operator.index(i) for i in prompt_ids]  # TypeError for floats and strings
     if not ids:
@@ -165,7 +166,7 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
-    prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size)
+    prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size)
     eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
     text_stream = TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
     total = min(len(prompt_ids) + max_new_tokens, context)  # the cache never needs more
@@ -192,7 +193,7 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
             logits = model(pick.tokens.view(1, 1), cache=cache, start_pos=len(seen) - 1)[:, -1]  # decode: (1, V)
             yield step
     end = synchronized_time(device)
-    step.metrics = _metrics(len(prompt_ids), len(seen) - len(prompt_ids), start, prefill_done, first_token_at, end, device)
+    step.metrics = generation_metrics(len(prompt_ids), len(seen) - len(prompt_ids), start, prefill_done, first_token_at, end, device)
     yield step
 
 
@@ -223,7 +224,7 @@ def generate_batch(
 ) -> list[list[int]]:
     """Generated ids for each prompt, as one left-padded batch; constraints: one per row or None, as stream's."""
     device = next(model.parameters()).device
-    prompts = [check_prompt(p, max_new_tokens, model.config.max_position_embeddings, model.config.vocab_size)
+    prompts = [validate_prompt(p, max_new_tokens, model.config.max_position_embeddings, model.config.vocab_size)
                for p in prompts]
     B, T = len(prompts), max(len(p) for p in prompts)
     eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)

@@ -2,7 +2,7 @@
 
 """Sampling: logits processors, seeded sampling with logprobs, and beam search.
 
-Built in notebooks/09_sampling.ipynb, which explains each step; tests/test_sampling.py checks
+Built in notebooks/09_sampling.ipynb, which explains each step; tests/runtime/test_sampling.py checks
 every processor against transformers' LogitsProcessors and the sampler's histograms against
 the target distribution.
 
@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from minillm.model.devices import on_host
+from minillm.utils.validate import is_int, is_number
 
 
-def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+def _validate_logits(logits: torch.Tensor, name: str = "logits") -> None:
     """Type and shape always; the values (NaN, +inf, a row all -inf) where the logits are on the CPU.
 
     Reading values back from a GPU would stall it once per token, so there only type and shape
@@ -58,25 +59,21 @@ def _check(name: str, value, ok: bool, expected: str) -> None:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return is_number(x) and math.isfinite(x)
 
 
 def apply_temperature(logits: torch.Tensor, t: float) -> torch.Tensor:
     """logits / t for t > 0 (t < 1 sharpens, t > 1 flattens). Temperature 0 is greedy: see `sample`."""
-    _check_logits(logits)
+    _validate_logits(logits)
     _check("temperature", t, _is_real(t) and t > 0, "> 0 here (temperature 0 means greedy, handled by sample)")
     return (logits / t).clamp(max=torch.finfo(logits.dtype).max)  # an overflow: the largest float, not +inf
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits per row (and ties with the k-th); k = 0 or k >= V keeps all."""
-    _check_logits(logits)
-    _check("top_k", k, _is_int(k) and k >= 0, "an int >= 0 (0 = off)")
+    _validate_logits(logits)
+    _check("top_k", k, is_int(k) and k >= 0, "an int >= 0 (0 = off)")
     if k == 0 or k >= logits.shape[-1]:
         return logits
     kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest
@@ -85,7 +82,7 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus: keep the most likely tokens until their mass reaches p; the token that crosses p is kept."""
-    _check_logits(logits)
+    _validate_logits(logits)
     _check("top_p", p, _is_real(p) and 0 < p <= 1, "in (0, 1]")
     if p == 1:
         return logits
@@ -100,7 +97,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep tokens with probability >= p * (probability of the most likely token)."""
-    _check_logits(logits)
+    _validate_logits(logits)
     _check("min_p", p, _is_real(p) and 0 <= p <= 1, "in [0, 1]")
     probs = torch.softmax(logits, dim=-1)  # (B, V)
     remove = probs < p * probs.amax(dim=-1, keepdim=True)  # the top token never satisfies this
@@ -109,7 +106,7 @@ def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Locally typical sampling: keep tokens whose surprise -log p_i is closest to the entropy, up to mass p."""
-    _check_logits(logits)
+    _validate_logits(logits)
     _check("typical_p", p, _is_real(p) and 0 < p <= 1, "in (0, 1]")
     if p == 1:
         return logits
@@ -140,9 +137,9 @@ def apply_penalties(
     frequency * count, counting only generated ids (ids after prompt_lengths[b]; all ids
     when prompt_lengths is None).
     """
-    _check_logits(logits)
+    _validate_logits(logits)
     B, V = logits.shape
-    _check_penalty_args(B, token_ids, repetition_penalty, presence_penalty, frequency_penalty, prompt_lengths)
+    _validate_penalty_args(B, token_ids, repetition_penalty, presence_penalty, frequency_penalty, prompt_lengths)
     out = logits.clone()
     for b, ids in enumerate(token_ids):
         ids = list(ids)
@@ -155,7 +152,7 @@ def apply_penalties(
             out[b, seen] = torch.where(z < 0, z * repetition_penalty, z / repetition_penalty)
         if presence_penalty != 0.0 or frequency_penalty != 0.0:
             start = 0 if prompt_lengths is None else prompt_lengths[b]
-            _check(f"prompt_lengths[{b}]", start, _is_int(start) and 0 <= start <= len(ids), f"an int in [0, {len(ids)}]")
+            _check(f"prompt_lengths[{b}]", start, is_int(start) and 0 <= start <= len(ids), f"an int in [0, {len(ids)}]")
             generated = ids[start:]
             counts = torch.bincount(generated, minlength=V).to(out.dtype)  # (V,)
             seen = counts > 0  # only seen tokens are touched: a huge penalty gives -inf there, never inf * 0 = NaN
@@ -164,7 +161,7 @@ def apply_penalties(
     return out
 
 
-def _check_penalty_args(B: int, token_ids, repetition_penalty, presence_penalty, frequency_penalty,
+def _validate_penalty_args(B: int, token_ids, repetition_penalty, presence_penalty, frequency_penalty,
                         prompt_lengths) -> None:
     """apply_penalties' argument checks, each naming the argument and its value."""
     _check("repetition_penalty", repetition_penalty, _is_real(repetition_penalty) and repetition_penalty > 0, "> 0")
@@ -194,7 +191,7 @@ class SamplingParams:
     logprobs: int | None = None  # return the top-n logprobs per token
 
     def __post_init__(self):
-        _check_params(self)
+        _validate_params(self)
 
     @property
     def greedy(self) -> bool:
@@ -202,10 +199,10 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def _check_params(params: SamplingParams) -> None:
+def _validate_params(params: SamplingParams) -> None:
     """SamplingParams' field checks, each naming the field and its value (called by __post_init__)."""
     _check("temperature", params.temperature, _is_real(params.temperature) and params.temperature >= 0, ">= 0 (0 = greedy)")
-    _check("top_k", params.top_k, _is_int(params.top_k) and params.top_k >= 0, "an int >= 0 (0 = off)")
+    _check("top_k", params.top_k, is_int(params.top_k) and params.top_k >= 0, "an int >= 0 (0 = off)")
     _check("top_p", params.top_p, _is_real(params.top_p) and 0 < params.top_p <= 1, "in (0, 1]")
     _check("min_p", params.min_p, _is_real(params.min_p) and 0 <= params.min_p <= 1, "in [0, 1]")
     _check("typical_p", params.typical_p, _is_real(params.typical_p) and 0 < params.typical_p <= 1, "in (0, 1]")
@@ -214,9 +211,9 @@ def _check_params(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range (and vLLM's)
         value = getattr(params, name)
         _check(name, value, _is_real(value) and -2 <= value <= 2, "in [-2, 2]")
-    _check("seed", params.seed, params.seed is None or (_is_int(params.seed) and -2**63 <= params.seed < 2**64),
+    _check("seed", params.seed, params.seed is None or (is_int(params.seed) and -2**63 <= params.seed < 2**64),
            "an int in [-2**63, 2**64) or None (what torch.Generator takes)")
-    _check("logprobs", params.logprobs, params.logprobs is None or (_is_int(params.logprobs) and params.logprobs >= 0),
+    _check("logprobs", params.logprobs, params.logprobs is None or (is_int(params.logprobs) and params.logprobs >= 0),
            "an int >= 0 or None")
 
 
@@ -229,7 +226,7 @@ def process_logits(
     """(B, V) logits -> (B, V) logits to sample from, in transformers' order:
     penalties (only when token_ids is given), temperature, top-k, top-p, min-p, typical.
     Greedy (temperature 0) keeps only the argmax of the penalised logits."""
-    _check_logits(logits)
+    _validate_logits(logits)
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
     penalised = params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
@@ -256,7 +253,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     """A torch.Generator on `device` seeded with `seed`, or None (use torch's global RNG) when seed is None."""
     if seed is None:
         return None
-    _check("seed", seed, _is_int(seed), "an int or None")
+    _check("seed", seed, is_int(seed), "an int or None")
     return torch.Generator(device=device).manual_seed(seed)
 
 
@@ -306,14 +303,14 @@ def beam_search(
     step_fn(sequences) -> (len(sequences), V) next-token logits for each full sequence (prompt +
     generated). Returns up to num_beams (generated ids, score), best first; the ids include the EOS
     that ended a hypothesis; score = sum of token logprobs / len(ids) ** length_penalty."""
-    _check_beam_args(num_beams, max_new_tokens, length_penalty)
+    _validate_beam_args(num_beams, max_new_tokens, length_penalty)
     eos = set(eos_token_ids)
     keep = max(2, 1 + len(eos)) * num_beams  # candidates kept per step, as transformers
     running: list[tuple[list[int], float]] = [([], 0.0)]  # (generated ids, sum of logprobs)
     finished: list[tuple[list[int], float]] = []  # (generated ids, length-penalised score)
     for step in range(max_new_tokens):
         logits = step_fn([list(input_ids) + ids for ids, _ in running])
-        _check_step_logits(logits, len(running))
+        _validate_step_logits(logits, len(running))
         V = logits.shape[-1]
         sums = torch.tensor([s for _, s in running], dtype=torch.float32, device=logits.device)
         total = torch.log_softmax(logits.float(), dim=-1) + sums[:, None]  # (beams, V)
@@ -336,13 +333,13 @@ def beam_search(
     return finished
 
 
-def _check_beam_args(num_beams, max_new_tokens, length_penalty) -> None:
-    _check("num_beams", num_beams, _is_int(num_beams) and num_beams >= 1, "an int >= 1")
-    _check("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1")
+def _validate_beam_args(num_beams, max_new_tokens, length_penalty) -> None:
+    _check("num_beams", num_beams, is_int(num_beams) and num_beams >= 1, "an int >= 1")
+    _check("max_new_tokens", max_new_tokens, is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1")
     _check("length_penalty", length_penalty, _is_real(length_penalty), "a finite number")
 
 
-def _check_step_logits(logits: torch.Tensor, rows: int) -> None:
+def _validate_step_logits(logits: torch.Tensor, rows: int) -> None:
     """step_fn's logits: valid logits, one row per running sequence."""
-    _check_logits(logits, "step_fn logits")
+    _validate_logits(logits, "step_fn logits")
     _check("step_fn logits", f"{logits.shape[0]} rows", logits.shape[0] == rows, f"one row per sequence ({rows})")

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.runtime.generate import TextStream, check_prompt
+from minillm.runtime.generate import TextStream, validate_prompt
 from minillm.cache.paged import BlockManager
 from minillm.runtime.sampling import SamplingParams
 from minillm.text.tokenizer import Tokenizer
+from minillm.utils.validate import is_int
 
 WAITING, PREFILLING, RUNNING, FINISHED = "waiting", "prefilling", "running", "finished"
 
@@ -62,19 +63,19 @@ class Output:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-def check_request(tokenizer: Tokenizer, context: int, vocab_size: int, prompt_ids: Seq[int],
+def validate_request(tokenizer: Tokenizer, context: int, vocab_size: int, prompt_ids: Seq[int],
                   params: SamplingParams | None = None, max_new_tokens: int = 256, stop: Seq[str] = (),
                   eos_token_ids: Seq[int] | None = None) -> tuple[list[int], SamplingParams, TextStream]:
     """A request's checked prompt, its parameters (default greedy) and its TextStream; ValueError if bad."""
-    prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, vocab_size)
+    prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, vocab_size)
     params = params or SamplingParams(temperature=0)
     eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
     return prompt_ids, params, TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
 
 
-def check_chunk(prefill_chunk: int | None) -> int | None:
+def validate_chunk(prefill_chunk: int | None) -> int | None:
     """The engine's prefill budget: prompt tokens computed per step (an int >= 1), or None for no limit."""
-    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool)
+    if prefill_chunk is not None and (not is_int(prefill_chunk)
                                       or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1 (prompt tokens per step) or None, got {prefill_chunk!r}")
     return prefill_chunk

@@ -27,9 +27,10 @@ import torch
 
 from minillm.model.devices import reset_peak_memory, synchronized_time
 from minillm.speed.fast import FastCausalLM
-from minillm.runtime.generate import Step, TextStream, _metrics, check_prompt
+from minillm.runtime.generate import Step, TextStream, generation_metrics, validate_prompt
 from minillm.cache.dense import make_cache
 from minillm.runtime.sampling import SamplingParams, make_generator, process_logits, sample
+from minillm.utils.validate import is_positive_int
 
 
 def accept_greedy(choices: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
@@ -121,7 +122,7 @@ def int4_drafter(model, group_size: int = 32) -> ModelDrafter:
     return ModelDrafter(FastCausalLM(model, quantize="int4", group_size=group_size))
 
 
-def check_drafter(model, drafter) -> None:
+def validate_drafter(model, drafter) -> None:
     """A drafter has start() and propose(); a draft model's vocabulary must be the model's."""
     if not hasattr(drafter, "propose") or not hasattr(drafter, "start"):
         raise TypeError(f"speculative: a drafter has start() and propose(), got {type(drafter).__name__}")
@@ -133,11 +134,11 @@ def check_drafter(model, drafter) -> None:
 
 def _prepare(model, tokenizer, prompt_ids, drafter, max_new_tokens, stop, eos_token_ids, num_draft):
     """stream's checks and set-up -> (prompt ids, text stream, cache length, the model's cache)."""
-    if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
+    if not is_positive_int(num_draft):
         raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
-    check_drafter(model, drafter)
+    validate_drafter(model, drafter)
     weight, context = next(model.parameters()), model.config.max_position_embeddings
-    prompt_ids = check_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size)
+    prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size)
     eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
     text_stream = TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
     total = min(len(prompt_ids) + max_new_tokens, context)  # the cache never needs more
@@ -209,7 +210,7 @@ def next_k(k: int, num_draft: int, drafted: int, kept: int) -> int:
     return min(num_draft, k + 1) if kept == drafted else max(1, k - 1)
 
 
-def _top(logp: torch.Tensor, n: int | None) -> list[tuple[int, float]] | None:
+def top_logprob_pairs(logp: torch.Tensor, n: int | None) -> list[tuple[int, float]] | None:
     """The n most likely tokens of one row of logprobs (V,), as sample() reports them."""
     if n is None:
         return None
@@ -250,7 +251,7 @@ def stream(model, tokenizer, prompt_ids: Sequence[int], drafter, params: Samplin
             seen.append(t)
             stats.emitted += 1
             text, finish = text_stream.push(t)
-            step = Step(text, t, float(logp[i, t]), _top(logp[i], params.logprobs), finish)
+            step = Step(text, t, float(logp[i, t]), top_logprob_pairs(logp[i], params.logprobs), finish)
     end = synchronized_time(device)
-    step.metrics = _metrics(len(prompt_ids), len(seen) - len(prompt_ids), start, prefill_done, first_token_at, end, device)
+    step.metrics = generation_metrics(len(prompt_ids), len(seen) - len(prompt_ids), start, prefill_done, first_token_at, end, device)
     yield step

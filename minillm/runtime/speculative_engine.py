@@ -23,7 +23,8 @@ from minillm.runtime.engine import Engine, advance
 from minillm.cache.packed import PackedView, packed_layout
 from minillm.cache.paged import BlockManager
 from minillm.runtime.sequence import Output, Sequence
-from minillm.runtime.speculative import SpeculationStats, _top, check_drafter, judge, next_k
+from minillm.runtime.speculative import SpeculationStats, top_logprob_pairs, validate_drafter, judge, next_k
+from minillm.utils.validate import is_positive_int
 
 
 def rollback(manager: BlockManager, seq_id, num_tokens: int) -> None:
@@ -45,16 +46,16 @@ def accept(seq: Sequence, logits: torch.Tensor, draft: list[int], q: torch.Tenso
     seq.output_ids.append(seq.pending)  # its KV is computed now
     seq.pending = None
     try:
-        kept, token, logp = judge(logits, seq.token_ids, draft, q, seq.params, seq.generator, len(seq.prompt_ids))
+        kept, last, logp = judge(logits, seq.token_ids, draft, q, seq.params, seq.generator, len(seq.prompt_ids))
     except (ValueError, RuntimeError) as exc:  # NaN logits...: this request fails, not the others
         return [Output(seq.id, None, "", True, "error", str(exc))], 0
     outputs = []
-    for i, token in enumerate([*draft[:kept], token]):
+    for i, token in enumerate([*draft[:kept], last]):
         if seq.pending is not None:  # a kept draft: its KV was computed in this forward
             seq.output_ids.append(seq.pending)
             seq.pending = None
         out = advance(seq, token)
-        out.logprob, out.top_logprobs = float(logp[i, token]), _top(logp[i], seq.params.logprobs)
+        out.logprob, out.top_logprobs = float(logp[i, token]), top_logprob_pairs(logp[i], seq.params.logprobs)
         outputs.append(out)
         if out.finished:
             break
@@ -108,9 +109,9 @@ class SpeculativeEngine(Engine):
 
     def __init__(self, model, tokenizer, *args, drafter, num_draft: int = 4, max_batch: int = 2, **kwargs):
         super().__init__(model, tokenizer, *args, **kwargs)
-        check_drafter(model, drafter)
+        validate_drafter(model, drafter)
         for name, value in (("num_draft", num_draft), ("max_batch", max_batch)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"SpeculativeEngine: {name} must be an int >= 1, got {value!r}")
         self.drafter, self.num_draft, self.max_batch = drafter, num_draft, max_batch
         self.drafters: dict[int, list] = {}  # id -> [its drafter, its k now], for the last step's speculating

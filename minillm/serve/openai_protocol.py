@@ -13,16 +13,18 @@ import copy
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from minillm.api import LLM
-from minillm.text.constrained import check_response_format
+from minillm.text.constrained import validate_response_format
 from minillm.runtime.engine import Output
-from minillm.runtime.generate import check_prompt
+from minillm.runtime.generate import validate_prompt
 from minillm.runtime.sampling import SamplingParams
-from minillm.text.tool_calls import call_format, check_tools, encode_with_tools, parse_tool_calls
+from minillm.text.tool_calls import call_format, validate_tools, encode_with_tools, parse_tool_calls
+from minillm.utils.validate import is_int, is_number, is_positive_int
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -176,7 +178,7 @@ def offered_tools(body: dict, chat: bool) -> tuple[list[dict], str | dict]:
     if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise APIError(400, "tools are supported on /v1/chat/completions only", "tools")
     try:
-        return check_tools(body.get("tools"), body.get("tool_choice"))
+        return validate_tools(body.get("tools"), body.get("tool_choice"))
     except ValueError as exc:
         raise APIError(400, str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
 
@@ -230,7 +232,7 @@ def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
         return chat_prompt(llm, body.get("messages"), tools if choice != "none" else [])
     prompt = body.get("prompt")
     prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) else prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return prompt  # token ids, as OpenAI's API allows: parse_request checks them against the vocabulary
     if not isinstance(prompt, str) or not prompt:
         raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
@@ -253,14 +255,14 @@ def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
     """(n, best_of): n choices returned of best_of generated, 1 <= n <= best_of <= MAX_CHOICES;
     best_of on /v1/completions only, and not streamed (the best are known only at the end)."""
     n = body.get("n") if body.get("n") is not None else 1
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
         raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
     best_of = body.get("best_of")
     if best_of is None:
         return n, n
     if chat:
         raise APIError(400, "best_of is supported on /v1/completions only", "best_of")
-    if not isinstance(best_of, int) or isinstance(best_of, bool) or not n <= best_of <= MAX_CHOICES:
+    if not is_int(best_of) or not n <= best_of <= MAX_CHOICES:
         raise APIError(400, f"best_of must be an integer in [n, {MAX_CHOICES}] = [{n}, {MAX_CHOICES}], "
                        f"got {best_of!r}", "best_of")
     if stream and best_of > n:
@@ -278,15 +280,32 @@ def requested_model(body: dict, model_name: str, adapters: list[str]) -> tuple[s
     return model, adapter
 
 
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A request that passed every check: what the engine runs, and how the answer is shaped."""
+
+    params: SamplingParams
+    max_new_tokens: int
+    stop: list[str]
+    stream: bool
+    n: int  # choices returned
+    best_of: int  # choices sampled; the n with the highest mean log-probability are returned
+    include_usage: bool  # a last streamed chunk carries the token counts
+    logprobs: bool
+    tools: bool  # tools were offered and may be called: the answer is parsed for calls
+    model: str  # the name the answer reports (the base model's, or an adapter's)
+    options: dict  # Engine.make_request's keywords: response_format, adapter, eos_token_ids
+
+
 def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
-                  chat: bool = True, constraints=None, adapters: list[str] = ()) -> dict:
+                  chat: bool = True, constraints=None, adapters: list[str] = ()) -> ParsedRequest:
     """Check the request against the context, OpenAI's ranges and SamplingParams; the engine's
     arguments and the options. The table in notebook 14 lists every field and its range."""
     model, adapter = requested_model(body, model_name, list(adapters))
     stream = _flag(body, "stream")
     n, best_of = _choices(body, chat, stream)
-    try:  # the prompt rule of every entry point (generate.check_prompt); max_tokens is checked below
-        check_prompt(prompt_ids, 1, context, vocab_size)
+    try:  # the prompt rule of every entry point (generate.validate_prompt); max_tokens is checked below
+        validate_prompt(prompt_ids, 1, context, vocab_size)
     except ValueError as exc:
         code = "context_length_exceeded" if len(prompt_ids) >= context else None
         raise APIError(400, str(exc), "messages" if chat else "prompt", code) from None
@@ -294,7 +313,7 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     max_tokens = body.get(param)
     if max_tokens is None:
         max_tokens = context - len(prompt_ids)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+    if not is_positive_int(max_tokens):
         raise APIError(400, f"{param} must be an integer >= 1, got {max_tokens!r}", param)
     if len(prompt_ids) + max_tokens > context:
         raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and {param} is {max_tokens}: "
@@ -308,11 +327,11 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
         raise APIError(400, "logprobs is supported on /v1/chat/completions only", "logprobs")
     want_logprobs = _flag(body, "logprobs")
     top = body.get("top_logprobs") or 0
-    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+    if not is_int(top) or not 0 <= top <= 20:
         raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
     knobs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     t = knobs.get("temperature", 1.0)
-    if isinstance(t, (int, float)) and not isinstance(t, bool) and not 0 <= t <= 2:  # the rest: SamplingParams
+    if is_number(t) and not 0 <= t <= 2:  # the rest: SamplingParams
         raise APIError(400, f"temperature must be in [0, 2], got {t!r}", "temperature")
     try:
         params = SamplingParams(**knobs, logprobs=top if want_logprobs else None)
@@ -329,15 +348,14 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
             raise APIError(400, "response_format cannot be combined with a required tool_choice", "response_format")
         fmt = forced
     try:  # a bad format or schema is this request's 400 before any answer starts; compiled once, then kept
-        check_response_format(fmt) if constraints is None else constraints.for_format(fmt)
+        validate_response_format(fmt) if constraints is None else constraints.for_format(fmt)
     except ValueError as exc:
         message = str(exc) if str(exc).startswith("response_format") else f"response_format: {exc}"
         raise APIError(400, message, "response_format") from None
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
-    return {"params": params, "max_new_tokens": max_tokens, "stop": stop, "stream": stream, "n": n,
-            "best_of": best_of, "include_usage": _flag(options, "include_usage"), "logprobs": want_logprobs,
-            "tools": bool(tools) and choice != "none", "model": model,
-            "options": {"response_format": fmt, "adapter": adapter,  # the engine's: Engine.make_request
-                        **({"eos_token_ids": ()} if _flag(body, "ignore_eos") else {})}}
+    return ParsedRequest(params, max_tokens, stop, stream, n, best_of, _flag(options, "include_usage"), want_logprobs,
+                         tools=bool(tools) and choice != "none", model=model,
+                         options={"response_format": fmt, "adapter": adapter,
+                                  **({"eos_token_ids": ()} if _flag(body, "ignore_eos") else {})})

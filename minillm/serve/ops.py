@@ -40,6 +40,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from minillm.utils.validate import is_number, is_positive_int
 
 KEY_ENV = "MINILLM_API_KEY"
 ACCESS_LOG = logging.getLogger("minillm.access")
@@ -137,8 +138,8 @@ class TokenBucket:
         self.level -= tokens
 
 
-def _check_limit(name: str, value) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+def _validate_limit(name: str, value) -> None:
+    if value is not None and not is_positive_int(value):
         raise ValueError(f"{name} must be an int >= 1 or None (no limit), got {value!r}")
 
 
@@ -148,8 +149,8 @@ class KeyLimits:
 
     def __init__(self, max_concurrent: int | None = None, tokens_per_minute: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        _check_limit("max_concurrent_per_key", max_concurrent)
-        _check_limit("tokens_per_minute", tokens_per_minute)
+        _validate_limit("max_concurrent_per_key", max_concurrent)
+        _validate_limit("tokens_per_minute", tokens_per_minute)
         self.max_concurrent, self.tokens_per_minute, self.clock = max_concurrent, tokens_per_minute, clock
         self.running: dict[str, int] = {}
         self.buckets: dict[str, TokenBucket] = {}
@@ -347,11 +348,11 @@ class Gate:
 # ---------------------------------------------------------------- the process
 
 
-def check_seconds(name: str, value, none_ok: bool = False) -> float | None:
+def validate_seconds(name: str, value, none_ok: bool = False) -> float | None:
     """A duration setting: a finite number of seconds >= 0 (or None, where that means no limit)."""
     if value is None and none_ok:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+    if not is_number(value) or not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a number of seconds >= 0{' or None' if none_ok else ''}, got {value!r}")
     return float(value)
 

@@ -36,11 +36,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minillm.api import LLM
 from minillm.runtime.engine import Engine, Output
 from minillm.weights.lora import adapter_names
-from minillm.serve.openai_protocol import (APIError, Reply, best_choices, held_events, output_events, parse_request,
-                                      read_json, read_prompt, sse, token_logprobs)
+from minillm.serve.openai_protocol import (APIError, ParsedRequest, Reply, best_choices, held_events, output_events,
+                                           parse_request, read_json, read_prompt, sse, token_logprobs)
 from minillm.runtime.sampling import SamplingParams
 from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
-                                check_seconds, configure_access_log)
+                                validate_seconds, configure_access_log)
+from minillm.utils.validate import is_positive_int
 
 
 def apply_commands(engine: Engine, commands: queue.SimpleQueue) -> None:
@@ -80,7 +81,7 @@ def deliver(outputs: list[Output], queues: dict[int, tuple[asyncio.AbstractEvent
 
 class EngineThread:
     """The thread that owns an Engine: it sleeps until woken, applies the posted commands, and steps
-    while any request is unfinished, delivering each step's Outputs. AsyncEngine adds the request API."""
+    while any request is unfinished, delivering each step's Outputs. EngineBridge adds the request API."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -117,7 +118,7 @@ class EngineThread:
                 self._apply_commands()  # between steps: new requests join, hung-up ones leave
 
 
-class AsyncEngine(EngineThread):
+class EngineBridge(EngineThread):
     """One Engine stepped by one thread; each request receives its Outputs on an asyncio.Queue. The event
     loop never waits for the engine: `add`, `abort` and `end` post commands, which the engine thread
     applies between steps, so /health and every other request stay responsive during a long step."""
@@ -171,12 +172,12 @@ async def _next_output(queue: asyncio.Queue) -> Output:
     return out
 
 
-async def collect_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dict, reply: Reply,
+async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: ParsedRequest, reply: Reply,
                          request: Request, record: RequestRecord) -> dict:
     """The whole answer as one JSON object: its n choices (the n best of best_of). A client that hangs
     up is noticed within half a second (nothing is written to it until the end, so only asking tells)
     and its request is aborted."""
-    rids, outputs = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["best_of"], **req["options"])
+    rids, outputs = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.best_of, **req.options)
     index = {rid: i for i, rid in enumerate(rids)}
     texts, lps, finish = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
     asked = time.monotonic()
@@ -198,13 +199,13 @@ async def collect_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: di
                     raise APIError(499, "the client closed the connection", None, "client_closed")
     finally:  # cancelled or hung up before the end: abort frees the blocks of every unfinished choice
         if None in finish:
-            engine.abort([rid for rid, reason in zip(rids, finish) if reason is None])
-    choices = [reply.at(k).choice("".join(texts[i]), finish[i], lps[i] if req["logprobs"] else None)
-               for k, i in enumerate(best_choices(lps, req["n"]))]
+            bridge.abort([rid for rid, reason in zip(rids, finish) if reason is None])
+    choices = [reply.at(k).choice("".join(texts[i]), finish[i], lps[i] if req.logprobs else None)
+               for k, i in enumerate(best_choices(lps, req.n))]
     return reply.whole(choices, sum(map(len, lps)))
 
 
-async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dict, reply: Reply,
+async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: ParsedRequest, reply: Reply,
                         record: RequestRecord):
     """SSE events: for each choice a chunk per piece of text and its finish; optionally usage; [DONE].
 
@@ -212,7 +213,7 @@ async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dic
     `record.end` ends the request (its in-flight count and limits), whichever way the stream ends."""
     pending, status, n = set(), 499, 0  # 499 (client closed) unless the stream reaches its end
     try:
-        rids, queue = engine.add(ids, req["params"], req["max_new_tokens"], req["stop"], req["n"], **req["options"])
+        rids, queue = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.n, **req.options)
         pending, replies = set(rids), {rid: reply.at(i) for i, rid in enumerate(rids)}
         for one in replies.values() if reply.chat else ():
             yield one.opening()
@@ -221,11 +222,11 @@ async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dic
             reply = replies[out.request_id]  # this choice's view: its chunks carry its index
             record.output(reply.index, out)
             n += out.token_id is not None
-            for event in held_events(out, reply) if reply.tools else output_events(out, reply, tokenizer, req["logprobs"]):
+            for event in held_events(out, reply) if reply.tools else output_events(out, reply, tokenizer, req.logprobs):
                 yield event
             if out.finished:
                 pending.discard(out.request_id)
-        if req["include_usage"]:
+        if req.include_usage:
             yield reply.chunk([], usage=reply.usage(n))
         yield sse("[DONE]")
         status = 200
@@ -236,7 +237,7 @@ async def stream_answer(engine: AsyncEngine, tokenizer, ids: list[int], req: dic
     finally:  # the client hung up (cancelled or closed at a yield): abort frees the blocks
         record.end(status)
         if pending:
-            engine.abort(list(pending))
+            bridge.abort(list(pending))
 
 
 class InFlight:
@@ -246,7 +247,7 @@ class InFlight:
     and returns its `release`, which is safe to call more than once: every path out calls it."""
 
     def __init__(self, limit: int):
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        if not is_positive_int(limit):
             raise ValueError(f"max_in_flight must be an int >= 1, got {limit!r}")
         self.limit, self.count = limit, 0
         self.lock = threading.RLock()  # a release may come from a finalizer: another thread, or a GC inside enter()
@@ -300,7 +301,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected_error)
 
 
-def completion_handler(llm: LLM, engine: AsyncEngine, gate: Gate, context: int, model_name: str,
+def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int, model_name: str,
                        max_body_bytes: int):
     """The body of both completion endpoints: admit, read, check, then answer whole or as a stream."""
 
@@ -311,14 +312,14 @@ def completion_handler(llm: LLM, engine: AsyncEngine, gate: Gate, context: int, 
             body = await read_json(request, max_body_bytes)
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
             req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat,
-                                engine.engine.constraints, adapter_names(llm.model))  # notebooks 18 and 19
-            reply = Reply(chat, req["model"], len(ids), req["tools"])
+                                bridge.engine.constraints, adapter_names(llm.model))  # notebooks 18 and 19
+            reply = Reply(chat, req.model, len(ids), req.tools)
             record.begin(reply.head["id"], len(ids))
-            if not req["stream"]:
-                answer = await collect_answer(engine, llm.tokenizer, ids, req, reply, request, record)
+            if not req.stream:
+                answer = await collect_answer(bridge, llm.tokenizer, ids, req, reply, request, record)
                 record.status = 200
                 return answer
-            events = stream_answer(engine, llm.tokenizer, ids, req, reply, record)
+            events = stream_answer(bridge, llm.tokenizer, ids, req, reply, record)
             weakref.finalize(events, record.end)  # a stream never started (the client left first) ends too
             streaming = True
             return StreamingResponse(events, media_type="text/event-stream")
@@ -340,11 +341,11 @@ def model_list(model_name: str, context: int, adapters: list[str] = ()) -> dict:
             [{"id": f"{model_name}:{name}", "parent": model_name, **entry} for name in adapters]}
 
 
-def health_report(engine: AsyncEngine, gate: Gate) -> dict:
+def health_report(bridge: EngineBridge, gate: Gate) -> dict:
     """The body of GET /health: the scheduler's queues, the free KV blocks, the requests in flight."""
-    sched = engine.engine.scheduler
+    sched = bridge.engine.scheduler
     return {"status": "draining" if gate.draining else "ok", "running": len(sched.running),
-            "waiting": len(sched.waiting), "free_blocks": engine.engine.manager.num_free_blocks,
+            "waiting": len(sched.waiting), "free_blocks": bridge.engine.manager.num_free_blocks,
             "in_flight": gate.in_flight.count}
 
 
@@ -358,24 +359,24 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
                shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=Engine) -> FastAPI:
     """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine
     (prefill_chunk: its prompt tokens per step; None: every prompt whole; engine_class: nb 20's LeadEngine)."""
-    engine = AsyncEngine(engine_class(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
-    engine.request_timeout = check_seconds("request_timeout", request_timeout, none_ok=True)
-    grace = check_seconds("shutdown_grace", shutdown_grace)
+    bridge = EngineBridge(engine_class(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
+    bridge.request_timeout = validate_seconds("request_timeout", request_timeout, none_ok=True)
+    grace = validate_seconds("shutdown_grace", shutdown_grace)
     context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)
     in_flight = InFlight(max_in_flight)
-    metrics = Metrics(engine.engine, in_flight)
+    metrics = Metrics(bridge.engine, in_flight)
     gate = Gate(APIKeys(api_keys), KeyLimits(max_concurrent_per_key, tokens_per_minute), in_flight, metrics)
 
     async def lifespan(app):
-        engine.start()
+        bridge.start()
         yield
-        engine.stop()
+        bridge.stop()
 
     app = FastAPI(title="minillm", lifespan=lifespan)
-    app.state.engine, app.state.context, app.state.gate = engine, context, gate
-    app.state.drain = lambda: drain(engine, gate, grace)
+    app.state.bridge, app.state.context, app.state.gate = bridge, context, gate
+    app.state.drain = lambda: drain(bridge, gate, grace)
     add_error_handlers(app)
-    complete = completion_handler(llm, engine, gate, context, model_name, max_body_bytes)
+    complete = completion_handler(llm, bridge, gate, context, model_name, max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -392,7 +393,7 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
 
     @app.get("/health")
     async def health():  # open without a key: for load balancers
-        return health_report(engine, gate)
+        return health_report(bridge, gate)
 
     @app.get("/metrics")
     async def prometheus():  # open without a key: for Prometheus (bind 127.0.0.1, or firewall it)
@@ -401,14 +402,14 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
     return app
 
 
-async def drain(engine: AsyncEngine, gate: Gate, grace: float) -> None:
+async def drain(bridge: EngineBridge, gate: Gate, grace: float) -> None:
     """Graceful shutdown: new requests get 503; those in flight have `grace` seconds to finish; then
     each one still running ends with finish_reason "shutdown", after the text it has so far."""
     gate.draining = True
     deadline = time.monotonic() + grace
     while gate.in_flight.count and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    engine.end_all("shutdown")
+    bridge.end_all("shutdown")
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str | None = "-", **app_kwargs) -> None:

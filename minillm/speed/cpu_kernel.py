@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.speed.cpu_kernel_cpp import KERNEL_CPP  # the C++ source, written below step by step
-from minillm.speed.quant import (Int8Linear, _bias, _check_input, dequantize_int8, int8_table, quantize_int4,
+from minillm.speed.quant import (Int8Linear, bias_parameter, validate_quant_input, dequantize_int8, int8_table, quantize_int4,
                            quantize_linear)
 
 BLOCK = 32  # values per activation block and per weight block, as in ggml's q8_1 / q4_1
@@ -53,7 +53,7 @@ def int4_dot8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, 
     With w = d * q + m (d = scale, m = zero - 8 * scale, rounded to float16 as the kernel stores them),
     block b of a row adds d * dx[b] * (integer dot of q and qx) + m * dx[b] * (sum of qx), exact in int32."""
     qx, dx, sx = quantize_activations(x)  # (M, K) int8, (M, K/32), (M, K/32)
-    (N, K), G, nb = q.shape, scales.shape[1], q.shape[1] // BLOCK
+    N, G, nb = q.shape[0], scales.shape[1], q.shape[1] // BLOCK  # q: (N, K)
     dots = torch.einsum("nbj,mbj->mnb", q.reshape(N, nb, BLOCK).int(), qx.reshape(-1, nb, BLOCK).int())  # (M, N, K/32)
     group = torch.arange(nb) // (nb // G)  # (K/32,): the group of each block
     d, m = scales.half()[:, group].double(), (zeros - 8 * scales).half()[:, group].double()  # stored as float16
@@ -146,7 +146,7 @@ class DotLinear(nn.Module):
         try:
             y = self.products(x.reshape(-1, self.in_features).float().contiguous())  # (M, K) -> (M, N) float32
         except RuntimeError:  # the input is checked only when the kernel fails, as notebook 13's layers
-            _check_input(x, self.in_features, "dot8", self.mode)
+            validate_quant_input(x, self.in_features, "dot8", self.mode)
             raise
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
@@ -167,7 +167,7 @@ class Int4DotLinear(DotLinear):
         (N, K), G = qweight.shape, scales.shape[1]
         self.out_features, self.in_features, self.group_size = N, K, K // G
         self.register_buffer("packed", pack_int4_tiles(qweight, scales, zeros))  # (N/16, ...) uint8
-        self.bias = _bias(bias)
+        self.bias = bias_parameter(bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32, name: str = "linear") -> Int4DotLinear:

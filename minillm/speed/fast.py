@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minillm.model.attention import attention_mask as build_attention_mask
-from minillm.model.decoder import (CausalLM, ModelConfig, check_forward_inputs, keep_columns, padded_positions,
+from minillm.model.decoder import (CausalLM, ModelConfig, validate_forward_inputs, keep_columns, padded_positions,
                            rope_frequencies)
 from minillm.speed.cpu_kernel import fast_int8_table, fast_quantized_linear
 from minillm.speed.quant import MODES
@@ -135,7 +135,7 @@ class FastLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)  # (B, T, I) -> (B, T, h)
 
 
-def check_fast_model(model, quantize) -> None:
+def validate_fast_model(model, quantize) -> None:
     """FastCausalLM's argument checks: a minillm CausalLM and a known quantization mode."""
     if not isinstance(model, CausalLM):
         raise TypeError(f"FastCausalLM: model must be a minillm CausalLM, got {type(model).__name__}")
@@ -154,7 +154,7 @@ class FastCausalLM(nn.Module):
 
     def __init__(self, model: CausalLM, quantize: str | None = None, group_size: int = 32, kernel: str = "auto"):
         super().__init__()
-        check_fast_model(model, quantize)
+        validate_fast_model(model, quantize)
         self.config = config = model.config
         self.quantize = quantize
         self.embed_tokens, self.lm_head = embedding_and_head(model, quantize, group_size, kernel)
@@ -182,7 +182,7 @@ class FastCausalLM(nn.Module):
                 cache: list | None = None, start_pos: int = 0, logits_to_keep: int | Tensor = 0) -> Tensor:
         """Logits (B, T, V), as CausalLM.forward; logits_to_keep=n > 0 returns only the last n positions
         (a 1-D tensor: those columns)."""
-        B, T, S = check_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
+        B, T, S = validate_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         cos, sin = rope_rows(self.cos, self.sin, positions, attention_mask, start_pos, T, S)
         mask = fast_mask(T, S, start_pos, attention_mask, input_ids.device)
         causal = mask is None and T > 1  # a plain bool here: in torch.compile a SymBool (a graph break per layer)

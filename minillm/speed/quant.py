@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.weights.loading import _check_names_and_shapes, _open_gguf, hf_rows
+from minillm.weights.loading import validate_names_and_shapes, open_gguf, hf_rows
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -39,13 +39,13 @@ KERNELS = ("auto", "packed", "reference")
 SUPPORTED = "packed: int8 and int4 on cpu (int4 needs N % 16 == 0); reference: int8 and int4 on any device"
 
 
-def _check_weight(w: torch.Tensor, name: str) -> None:
+def _validate_weight(w: torch.Tensor, name: str) -> None:
     if not isinstance(w, torch.Tensor) or w.ndim != 2 or not w.is_floating_point():
         got = f"shape {tuple(w.shape)} {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__
         raise ValueError(f"{name}: expected a 2-D floating weight (N, K), got {got}")
 
 
-def check_group_size(K: int, group_size: int, name: str = "weight") -> None:
+def validate_group_size(K: int, group_size: int, name: str = "weight") -> None:
     """ValueError unless group_size is one of GROUP_SIZES and divides K (names the layer and sizes)."""
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
@@ -66,21 +66,21 @@ def _pick_kernel(kernel: str, mode: str, device: torch.device, n_out: int) -> st
     return kernel if kernel != "auto" else ("packed" if packed_ok else "reference")
 
 
-def _check_input(x: torch.Tensor, K: int, kernel: str, mode: str) -> None:
+def validate_quant_input(x: torch.Tensor, K: int, kernel: str, mode: str) -> None:
     if x.shape[-1] != K:
         raise ValueError(f"{mode} linear: input has {x.shape[-1]} features, expected K={K}")
     if kernel == "packed" and x.device.type != "cpu":
         raise ValueError(f"the packed {mode} kernel got an input on {x.device.type}; supported: {SUPPORTED}")
 
 
-def _check_int4_buffers(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+def _validate_int4_buffers(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
     (N, K), G = qweight.shape, scales.shape[1]
     if qweight.dtype != torch.uint8 or K % G or tuple(scales.shape) != (N, G) or tuple(zeros.shape) != (N, G):
         raise ValueError(f"Int4Linear: expected q (N, K) uint8 with scales and zeros (N, K/g), got "
                          f"{tuple(qweight.shape)} {qweight.dtype}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
 
 
-def _check_quantizable(model: nn.Module, mode: str, group_size: int, kernel: str) -> None:
+def _validate_quantizable(model: nn.Module, mode: str, group_size: int, kernel: str) -> None:
     """quantize_model's checks, all before any layer is replaced: a refused model is left as it was."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -90,16 +90,16 @@ def _check_quantizable(model: nn.Module, mode: str, group_size: int, kernel: str
         if not isinstance(getattr(parent, attr), nn.Linear):
             raise ValueError(f"{name} is {type(getattr(parent, attr)).__name__}, not nn.Linear: already quantized?")
         if mode == "int4":
-            check_group_size(getattr(parent, attr).in_features, group_size, name)
+            validate_group_size(getattr(parent, attr).in_features, group_size, name)
     if mode == "int4" and model.lm_head is not None:
-        check_group_size(model.lm_head.in_features, group_size, "lm_head")
+        validate_group_size(model.lm_head.in_features, group_size, "lm_head")
 
 
 def quantize_int8(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax per output channel: w ≈ q * scale, q int8 in [-127, 127].
 
     Returns q (N, K) int8 and scales (N,) float32."""
-    _check_weight(w, name)
+    _validate_weight(w, name)
     w = w.detach().float()
     scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,): each row's largest |w| maps to 127
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # (N, K)
@@ -115,9 +115,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, name: str = "weight") -
     """Asymmetric min/max per group of `group_size` inputs: w ≈ (q - 8) * scale + zero, q in 0..15.
 
     Returns q (N, K) uint8, scales (N, K/g) and zeros (N, K/g) float32 (torch's int4 convention)."""
-    _check_weight(w, name)
+    _validate_weight(w, name)
     N, K = w.shape
-    check_group_size(K, group_size, name)
+    validate_group_size(K, group_size, name)
     wg = w.detach().float().reshape(N, K // group_size, group_size)  # (N, K) -> (N, K/g, g)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # (N, K/g)
     scales = ((hi - lo) / 15).clamp(min=1e-8)  # 16 levels from lo to hi
@@ -150,7 +150,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)  # (..., K/2, 2) -> (..., K)
 
 
-def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
+def bias_parameter(bias: torch.Tensor | None) -> nn.Parameter | None:
     return None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
 
@@ -164,7 +164,7 @@ class Int8Linear(nn.Module):
         self.kernel = _pick_kernel(kernel, "int8", qweight.device, self.out_features)
         self.register_buffer("qweight", qweight)  # (N, K) int8
         self.register_buffer("scales", scales)  # (N,) float32
-        self.bias = _bias(bias)
+        self.bias = bias_parameter(bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int | None = None, name: str = "linear",
@@ -183,7 +183,7 @@ class Int8Linear(nn.Module):
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
             return y if bias is None else y + bias
         except RuntimeError:  # the input is checked only when the kernel fails: no cost per call
-            _check_input(x, self.in_features, self.kernel, "int8")  # a wrong input: say what is wrong
+            validate_quant_input(x, self.in_features, self.kernel, "int8")  # a wrong input: say what is wrong
             raise
 
     def extra_repr(self) -> str:
@@ -209,14 +209,14 @@ class Int4Linear(nn.Module):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, kernel: str = "auto"):
         super().__init__()
-        _check_int4_buffers(qweight, scales, zeros)
+        _validate_int4_buffers(qweight, scales, zeros)
         (N, K), G = qweight.shape, scales.shape[1]
         self.out_features, self.in_features, self.group_size = N, K, K // G
         self.kernel = _pick_kernel(kernel, "int4", qweight.device, N)
         sz, packed = _int4_layout(qweight, scales, zeros, self.kernel)
         self.register_buffer("scales_and_zeros", sz)  # (K/g, N, 2) bf16: the kernel's layout
         self.register_buffer("qweight", packed)  # (N, K/2) uint8
-        self.bias = _bias(bias)
+        self.bias = bias_parameter(bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32, name: str = "linear",
@@ -241,7 +241,7 @@ class Int4Linear(nn.Module):
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
             return y if bias is None else y + bias
         except RuntimeError:  # checked only on failure, as Int8Linear
-            _check_input(x, self.in_features, self.kernel, "int4")
+            validate_quant_input(x, self.in_features, self.kernel, "int4")
             raise
 
     def extra_repr(self) -> str:
@@ -309,7 +309,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, kernel: st
     The embedding becomes int8 rows (Int8Embedding); a tied head shares that int8 table in both modes
     (as llama.cpp keeps token_embd at Q8_0). Every layer is checked before any is replaced, so a bad
     group size leaves the model as it was."""
-    _check_quantizable(model, mode, group_size, kernel)
+    _validate_quantizable(model, mode, group_size, kernel)
     for name, parent, attr in _linears(model):
         setattr(parent, attr, quantize_linear(getattr(parent, attr), mode, group_size, name, kernel))
     if model.lm_head is not None:
@@ -407,8 +407,8 @@ def load_gguf_quantized(path: str | Path, kernel: str = "auto") -> nn.Module:
     The file is checked by minillm.weights.loading first; F32/F16/BF16 tensors load as float32; the
     embedding becomes int8 rows, shared with a tied head. Other block types: ValueError."""
     path = Path(path)
-    config, shapes, infos = _open_gguf(path)  # every count, offset and block size checked
-    model = _check_names_and_shapes(config, shapes, str(path))  # on the meta device: no memory yet
+    config, shapes, infos = open_gguf(path)  # every count, offset and block size checked
+    model = validate_names_and_shapes(config, shapes, str(path))  # on the meta device: no memory yet
     dense, embed = {}, None
     for name, t in infos:
         qtype, shape = t.tensor_type.name, shapes[name]

@@ -80,7 +80,7 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def check_messages(messages: Any) -> None:
+def validate_messages(messages: Any) -> None:
     """ValueError naming the first message that is not a dict with str 'role' and 'content'."""
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
@@ -99,7 +99,7 @@ def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: 
     """Render a Jinja chat template in jinja2's sandbox, as transformers' apply_chat_template does."""
     if not isinstance(template, str):
         raise TypeError(f"template must be a str, got {type(template).__name__}")
-    check_messages(messages)
+    validate_messages(messages)
     token = _deadline.set(time.monotonic() + TEMPLATE_SECONDS)
     try:
         pieces, size = [], 0

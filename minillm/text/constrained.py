@@ -103,7 +103,7 @@ class GuidanceConstraint:
         self.matcher.consume_token(token_id)
 
 
-def check_response_format(response_format) -> tuple[dict, str, str] | None:
+def validate_response_format(response_format) -> tuple[dict, str, str] | None:
     """OpenAI's response_format (or a pydantic model class) -> (schema, prefix, suffix): the JSON to write
     and the fixed text around it, or None for free text; ValueError naming what is wrong. minillm's own
     type "tool_call" ({"schema", "prefix", "suffix"}) is how minillm/text/tool_calls.py forces a function call."""
@@ -175,5 +175,5 @@ class Constraints:
 
     def for_format(self, response_format):
         """The constraint of an OpenAI response_format, or None for free text."""
-        spec = check_response_format(response_format)
+        spec = validate_response_format(response_format)
         return None if spec is None else self.for_schema(*spec)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from minillm.utils.validate import is_int
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,7 @@ def schema_pattern(schema, depth: int = 0):
 
 def _bounded_integer(schema: dict):
     lo, hi = schema.get("minimum"), schema.get("maximum")
-    if schema.get("type") != "integer" or not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)):
+    if schema.get("type") != "integer" or not all(is_int(v) for v in (lo, hi)):
         raise UnsupportedSchema("minimum and maximum are supported together, as ints, on type integer only")
     if lo > hi:
         raise UnsupportedSchema(f"minimum {lo} is above maximum {hi}")
@@ -326,6 +327,6 @@ def _bounded_integer(schema: dict):
 
 def _count(schema: dict, key: str, default):
     value = schema.get(key, default)
-    if value is not default and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 64):
+    if value is not default and not (is_int(value) and 0 <= value <= 64):
         raise UnsupportedSchema(f"{key} must be an int from 0 to 64, got {value!r}")
     return value

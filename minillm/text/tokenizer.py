@@ -191,14 +191,14 @@ def _special_ids(backend: BackendTokenizer) -> frozenset[int]:
     return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
 
-def _check_text(text: Any) -> str:
+def _validate_text(text: Any) -> str:
     """`text` itself, or TypeError if it is not a str."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     return text
 
 
-def _check_ids(ids: Iterable[int], vocab_size: int, source: str) -> list[int]:
+def _validate_ids(ids: Iterable[int], vocab_size: int, source: str) -> list[int]:
     """`ids` as a list of ints, or ValueError/TypeError naming the first bad one."""
     out = [operator.index(i) for i in ids]  # TypeError for floats, strings
     bad = next((i for i in out if not 0 <= i < vocab_size), None)
@@ -218,15 +218,15 @@ class _ByteLevelBPE:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; added tokens written in it (e.g. '<|im_start|>') become their ids.
         `add_special_tokens` runs the post-processor (e.g. a BOS), if the tokenizer has one."""
-        return self.backend.encode(_check_text(text), add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(_validate_text(text), add_special_tokens=add_special_tokens).ids
 
-    def check_ids(self, ids: Iterable[int]) -> list[int]:
+    def validate_ids(self, ids: Iterable[int]) -> list[int]:
         """`ids` as a list of ints, or ValueError/TypeError naming the first bad one."""
-        return _check_ids(ids, self.vocab_size, self.source)
+        return _validate_ids(ids, self.vocab_size, self.source)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
-        return self.backend.decode(self.check_ids(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(self.validate_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (an added token: its text in UTF-8)."""
@@ -238,7 +238,7 @@ class _ByteLevelBPE:
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of one id ('Ġthe'; use token_bytes for its bytes)."""
-        (token_id,) = self.check_ids([token_id])
+        (token_id,) = self.validate_ids([token_id])
         return self.backend.id_to_token(token_id)
 
 

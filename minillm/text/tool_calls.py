@@ -21,7 +21,7 @@ CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
-def check_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
+def validate_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
     """(tools, choice), checked: tools a list of {"type": "function", "function": {"name", "description",
     "parameters"}}; choice "none", "auto" (the default), "required" or {"type": "function", "function":
     {"name": ...}}. ValueError naming the field that is wrong."""

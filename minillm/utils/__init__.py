@@ -1,1 +1,1 @@
-"""Plumbing shared by the course: the notebooks' diagrams and the checks every boundary makes."""
+"""Plumbing shared by the course: the notebooks' diagrams (diagram.py) and the type tests every boundary makes (validate.py)."""

@@ -119,7 +119,7 @@ def hf_rows(config: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], list[tuple[str, gguf.ReaderTensor]]]:
+def open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], list[tuple[str, gguf.ReaderTensor]]]:
     """Check a GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read yet."""
     path = Path(path)
     reader = read_gguf(path)
@@ -128,14 +128,14 @@ def _open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
-        _check_gguf_tensor(path, reader, t, name, shape, shapes, config)  # see "Plumbing" below
+        _validate_gguf_tensor(path, reader, t, name, shape, shapes, config)  # see "Plumbing" below
         shapes[name] = shape
         infos.append((name, t))
-    _check_gguf_layout(path, reader, infos)  # the tensors lie back to back, aligned, inside the file
+    _validate_gguf_layout(path, reader, infos)  # the tensors lie back to back, aligned, inside the file
     return config, shapes, infos
 
 
-def _gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor), one at a time: dequantized, reshaped, rows in HF order."""
     for name, t in infos:
         values = dequantize(t.data, t.tensor_type)  # float32, (rows, row length)
@@ -143,9 +143,9 @@ def _gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tu
         yield name, hf_rows(config, name, w)
 
 
-def _check_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> CausalLM:
+def validate_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> CausalLM:
     """A model on the meta device, after checking every tensor name and shape against it (no data)."""
-    _check_layer_count(config, shapes, source)  # before building: a bad count could mean 10**9 modules
+    _validate_layer_count(config, shapes, source)  # before building: a bad count could mean 10**9 modules
     with torch.device("meta"):
         model = CausalLM(config)
     try:
@@ -156,7 +156,7 @@ def _check_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> C
 
 
 def _build(config: ModelConfig, shapes: dict, tensors: Iterator, dtype: torch.dtype, device, source: str) -> CausalLM:
-    model = _check_names_and_shapes(config, shapes, source)
+    model = validate_names_and_shapes(config, shapes, source)
     model = model.to(dtype=dtype).to_empty(device=device)  # allocated once, uninitialized
     model.reset_rope()  # to_empty() left inv_freq uninitialised
     params, copied = model.state_dict(), 0
@@ -171,8 +171,8 @@ def _build(config: ModelConfig, shapes: dict, tensors: Iterator, dtype: torch.dt
 
 def from_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     """A CausalLM from a GGUF file (llama, qwen2, qwen3), dequantized to `dtype` on `device`."""
-    config, shapes, infos = _open_gguf(path)
-    return _build(config, shapes, _gguf_tensors(config, shapes, infos), dtype, torch.device(device), str(path))
+    config, shapes, infos = open_gguf(path)
+    return _build(config, shapes, gguf_tensors(config, shapes, infos), dtype, torch.device(device), str(path))
 
 
 _TORCH_DTYPES = {
@@ -213,11 +213,11 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
     """
     device = pick_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
-    config, shapes, tensors, source = _open_folder(folder)
+    config, shapes, tensors, source = open_folder(folder)
     return _build(config, shapes, tensors, dtype, device, source)
 
 
-def _open_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator, str]:
+def open_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator, str]:
     """Check a folder's config and safetensors headers; return its config, {name: shape}, the stream of
     (name, tensor) and the source errors name (notebook 20's sharded loader reads the same stream)."""
     folder = Path(folder)
@@ -225,7 +225,7 @@ def _open_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, 
     config = ModelConfig.from_json(folder / "config.json")
     headers = {file: read_safetensors_header(file) for file in sorted(set(where.values()))}
     shapes = {name: tuple(headers[file][name]["shape"]) for name, file in where.items()}
-    _check_float_dtypes(where, headers)  # same bytes, another meaning: a float relabelled U32 would load as garbage
+    _validate_float_dtypes(where, headers)  # same bytes, another meaning: a float relabelled U32 would load as garbage
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file, header in headers.items():
@@ -286,11 +286,11 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
-    _check_safetensors_entries(path, header, size - 8 - n)
+    _validate_safetensors_entries(path, header, size - 8 - n)
     return header
 
 
-def _check_safetensors_entries(path: Path, header: dict, data_size: int) -> None:
+def _validate_safetensors_entries(path: Path, header: dict, data_size: int) -> None:
     """Each entry well formed, of a known dtype, shape x item size = its span; the spans tile the data exactly."""
     for name, info in header.items():
         ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)
@@ -319,7 +319,7 @@ def _check_safetensors_entries(path: Path, header: dict, data_size: int) -> None
         raise WeightsError(f"{path}: {data_size - position} bytes after the last tensor")
 
 
-def _check_gguf_tensor(path: Path, reader: gguf.GGUFReader, t: gguf.ReaderTensor, name: str | None,
+def _validate_gguf_tensor(path: Path, reader: gguf.GGUFReader, t: gguf.ReaderTensor, name: str | None,
                        shape: tuple[int, ...], seen: dict, config: ModelConfig) -> None:
     """One tensor info against the file: a known name, once; a supported type; whole blocks; its bytes inside the file."""
     qtype = t.tensor_type.name
@@ -340,7 +340,7 @@ def _check_gguf_tensor(path: Path, reader: gguf.GGUFReader, t: gguf.ReaderTensor
         )
 
 
-def _check_gguf_layout(path: Path, reader: gguf.GGUFReader, infos: list) -> None:
+def _validate_gguf_layout(path: Path, reader: gguf.GGUFReader, infos: list) -> None:
     """The tensors' data lies back to back, each padded to the alignment, and nothing follows the last one."""
     size = path.stat().st_size
     end, previous, align = reader.data_offset, "the start of the data", reader.alignment
@@ -353,7 +353,7 @@ def _check_gguf_layout(path: Path, reader: gguf.GGUFReader, infos: list) -> None
         raise WeightsError(f"{path}: {size - end} bytes after the last tensor, {previous} (an edited type?)")
 
 
-def _check_layer_count(config: ModelConfig, shapes: dict, source: str) -> None:
+def _validate_layer_count(config: ModelConfig, shapes: dict, source: str) -> None:
     """The config's layer count against the layers the tensors name (before building: 10**9 layers would be 10**9 modules)."""
     layers = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
     n = config.num_hidden_layers
@@ -365,7 +365,7 @@ def _check_layer_count(config: ModelConfig, shapes: dict, source: str) -> None:
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _check_float_dtypes(where: dict[str, Path], headers: dict[Path, dict]) -> None:
+def _validate_float_dtypes(where: dict[str, Path], headers: dict[Path, dict]) -> None:
     """Weights are floating point: same bytes, another meaning, and a float relabelled U32 would load as garbage."""
     for name, file in where.items():
         if headers[file][name]["dtype"] not in FLOAT_DTYPES:

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from minillm.weights.gguf_file import WeightsError
 from minillm.model.decoder import CausalLM
 from minillm.weights.loading import read_safetensors_header, stream_safetensors
+from minillm.utils.validate import is_number, is_positive_int
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PEFT's name for the model it wraps, before each module path
@@ -191,9 +192,9 @@ def read_adapter_config(folder: Path) -> AdapterConfig:
         if raw.get(name, default) not in (default, [], {}):
             raise ValueError(f"{path}: {name}={raw[name]!r} is not supported (only {default!r})")
     r, alpha, targets = raw.get("r"), raw.get("lora_alpha", 8), raw.get("target_modules")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    if not is_positive_int(r):
         raise ValueError(f"{path}: r must be a positive integer, got {r!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+    if not is_number(alpha) or not math.isfinite(alpha):
         raise ValueError(f"{path}: lora_alpha must be a finite number, got {alpha!r}")
     if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
         raise ValueError(f"{path}: target_modules must be a list of module names or a regex, got {targets!r}")
@@ -217,7 +218,7 @@ def checked_pair(path: Path, module: str, pair: dict[str, Tensor], config: Adapt
     return A, B, config.scaling(module)
 
 
-def check_fits(model: nn.Module, adapter: Adapter) -> None:
+def validate_fits(model: nn.Module, adapter: Adapter) -> None:
     """Each adapted module is a q/k/v/o/gate/up/down linear of the model, of the size A and B expect."""
     modules = dict(model.named_modules())
     for path, (A, B, _) in adapter.weights.items():
@@ -235,7 +236,7 @@ def check_fits(model: nn.Module, adapter: Adapter) -> None:
 @torch.no_grad()
 def merge_adapter(model: nn.Module, adapter: Adapter, sign: float = 1.0) -> nn.Module:
     """Fold the adapter into the weights, in place: W <- W + sign * B @ A * scaling (sign=-1 takes it out)."""
-    check_fits(model, adapter)
+    validate_fits(model, adapter)
     for path in adapter.weights:
         weight = model.get_submodule(path).weight  # (out, in)
         weight += sign * adapter.delta(path).to(weight.device, weight.dtype)
@@ -244,7 +245,7 @@ def merge_adapter(model: nn.Module, adapter: Adapter, sign: float = 1.0) -> nn.M
 
 def attach_adapter(model: nn.Module, adapter: Adapter) -> nn.Module:
     """Keep the adapter apart: each adapted linear becomes a LoRALinear holding A and B, frozen."""
-    check_fits(model, adapter)
+    validate_fits(model, adapter)
     for path, (A, B, scaling) in adapter.weights.items():
         lora = LoRALinear(model.get_submodule(path), A.shape[0], scaling)
         with torch.no_grad():
@@ -287,7 +288,7 @@ class MultiLoRA(nn.Module):
         self.base_model, self.config, self.rows = base_model, base_model.config, AdapterRows()
         self.names = ["", *adapters]  # index 0: no adapter
         for adapter in adapters.values():
-            check_fits(base_model, adapter)
+            validate_fits(base_model, adapter)
         rank = max(A.shape[0] for adapter in adapters.values() for A, _, _ in adapter.weights.values())
         for path in sorted({path for adapter in adapters.values() for path in adapter.weights}):
             base = base_model.get_submodule(path)  # (out, in)
