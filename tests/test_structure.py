@@ -195,3 +195,13 @@ def test_tests_mirror_the_package_folders():
     """tests/cache/ tests minillm/cache/, and so on; tests of the project as a whole stay in tests/."""
     folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
     assert folders and folders <= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+
+
+def test_the_front_door_names():
+    """`import minillm` gives load, LLM and SamplingParams, the objects the README's example uses."""
+    import minillm
+    from minillm.api import LLM, load
+    from minillm.runtime.sampling import SamplingParams
+
+    assert (minillm.load, minillm.LLM, minillm.SamplingParams) == (load, LLM, SamplingParams)
+    assert sorted(minillm.__all__) == ["LLM", "SamplingParams", "load"]

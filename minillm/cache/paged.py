@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from minillm.cache.paged_validation import (validate_allocate, validate_append, validate_fork, validate_forward, validate_gather,
-                                  validate_known, validate_layout, validate_pool, validate_pool_shape, validate_position,
-                                  validate_update)
+                                            validate_known, validate_layout, validate_pool, validate_pool_shape, validate_position,
+                                            validate_update)
 
 
 class BlockPool:

@@ -34,11 +34,11 @@ from minillm.weights.lora import adapter_index
 from minillm.model.decoder import CausalLM
 from minillm.cache.packed import PackedView, packed_layout
 from minillm.cache.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, validate_attention, decode_layout,
-                                     use_paged_attention)
+                                           use_paged_attention)
 from minillm.cache.paged import BlockManager, PagedView, batch_layout, cache_computed, make_paged_cache
 from minillm.runtime.sampling import SamplingParams, make_generator, sample
 from minillm.runtime.sequence import (FINISHED, PREFILLING, RUNNING, WAITING, Output, Sequence, validate_chunk,
-                              validate_request, never_fits)
+                                      validate_request, never_fits)
 from minillm.text.tokenizer import Tokenizer
 from minillm.utils.validate import is_positive_int
 

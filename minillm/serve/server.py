@@ -40,7 +40,7 @@ from minillm.serve.openai_protocol import (APIError, ParsedRequest, Reply, best_
                                            parse_request, read_json, read_prompt, sse, token_logprobs)
 from minillm.runtime.sampling import SamplingParams
 from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
-                                validate_seconds, configure_access_log)
+                               validate_seconds, configure_access_log)
 from minillm.utils.validate import is_positive_int
 
 

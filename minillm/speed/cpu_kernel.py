@@ -31,7 +31,7 @@ from torch import nn
 
 from minillm.speed.cpu_kernel_cpp import KERNEL_CPP  # the C++ source, written below step by step
 from minillm.speed.quant import (Int8Linear, bias_parameter, validate_quant_input, dequantize_int8, int8_table, quantize_int4,
-                           quantize_linear)
+                                 quantize_linear)
 
 BLOCK = 32  # values per activation block and per weight block, as in ggml's q8_1 / q4_1
 

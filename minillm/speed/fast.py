@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from minillm.model.attention import attention_mask as build_attention_mask
 from minillm.model.decoder import (CausalLM, ModelConfig, validate_forward_inputs, keep_columns, padded_positions,
-                           rope_frequencies)
+                                   rope_frequencies)
 from minillm.speed.cpu_kernel import fast_int8_table, fast_quantized_linear
 from minillm.speed.quant import MODES
 
