@@ -192,3 +192,11 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session():
         proc.kill()
     assert proc.returncode == 0, err
     assert "[interrupted]" in seen + out and "Traceback" not in err
+
+
+@pytest.mark.parametrize("module", ["minillm.bench", "minillm.check"])
+def test_the_tooling_packages_run_with_dash_m(module):
+    """bench/ and check/ are packages now: `python -m` runs their __main__.py, which calls their main."""
+    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and f"usage: python -m {module}" in result.stdout, result.stderr
