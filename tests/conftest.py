@@ -19,6 +19,7 @@ from minillm.weights.embedded import embedded_gguf_path
 from minillm.text.tokenizer import Tokenizer
 from minillm.weights.loading import from_gguf
 
+
 def cpu_summary() -> str:
     """CPU model and its AVX flags, from /proc/cpuinfo where there is one."""
     info = Path("/proc/cpuinfo")

@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, (notebook, text) in modules.items():
         if only and notebook.name not in only:
             continue
+        path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
             print(f"wrote {path.relative_to(root)} from {notebook.relative_to(root)}")
