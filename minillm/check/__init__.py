@@ -47,49 +47,49 @@ from minillm.check import engine as check_engine, explore as check_explore, lora
 from minillm.check.engine import (admit, explore_speedup_16, explore_text_share, make_room, output_events,
                                   preempt_seq)
 from minillm.check.explore import (
-                                   explore_attention_crossover_tokens,
-                                   explore_broken_tokens,
-                                   explore_chinese_share,
-                                   explore_gqa_saved_bytes_per_token,
-                                   explore_int4_bits_per_weight,
-                                   explore_kv_crossover_tokens,
-                                   explore_mlp_share_of_model,
-                                   explore_qwen7b_bytes,
-                                   explore_sequences_that_fit,
-                                   explore_slow_pairs_theta_10k,
-                                   explore_tail,
-                                   explore_transpose_copy_bytes,
-                                   )
+    explore_attention_crossover_tokens,
+    explore_broken_tokens,
+    explore_chinese_share,
+    explore_gqa_saved_bytes_per_token,
+    explore_int4_bits_per_weight,
+    explore_kv_crossover_tokens,
+    explore_mlp_share_of_model,
+    explore_qwen7b_bytes,
+    explore_sequences_that_fit,
+    explore_slow_pairs_theta_10k,
+    explore_tail,
+    explore_transpose_copy_bytes,
+)
 from minillm.check.first_versions import fake_quant, greedy_decode, naive_attention
 from minillm.check.harness import CheckFailed
 from minillm.check.loading import bpe, stop_strings_push, stream, stream_decoder_push, unpermute_qk
 from minillm.check.model import (
-                                 apply_rope,
-                                 attention_forward,
-                                 attention_weights,
-                                 causal_mask,
-                                 contiguous_strides,
-                                 decoder_layer_forward,
-                                 expand,
-                                 matmul,
-                                 mlp_forward,
-                                 rms_norm,
-                                 rope_cos_sin,
-                                 rotate_half,
-                                 scaled_dot_product_attention,
-                                 transpose,
-                                 )
+    apply_rope,
+    attention_forward,
+    attention_weights,
+    causal_mask,
+    contiguous_strides,
+    decoder_layer_forward,
+    expand,
+    matmul,
+    mlp_forward,
+    rms_norm,
+    rope_cos_sin,
+    rotate_half,
+    scaled_dot_product_attention,
+    transpose,
+)
 from minillm.check.serving import (
-                                   batch_layout,
-                                   dequantize_q4_1,
-                                   fold_block,
-                                   gather_reference,
-                                   kv_cache_update,
-                                   min_p_filter,
-                                   quantize_int4,
-                                   top_k_filter,
-                                   top_p_filter,
-                                   )
+    batch_layout,
+    dequantize_q4_1,
+    fold_block,
+    gather_reference,
+    kv_cache_update,
+    min_p_filter,
+    quantize_int4,
+    top_k_filter,
+    top_p_filter,
+)
 from minillm.check.lora import explore_adapter_megabytes, multi_lora_linear_forward
 from minillm.check.speculative import accept_sampled, explore_lookup_forwards_saved
 

@@ -11,15 +11,15 @@ from support import DATA, TINY
 from minillm.cache.dense import make_cache
 from minillm.model.decoder import from_folder
 from minillm.cache.paged import (
-                                 BatchLayout,
-                                 BlockManager,
-                                 PagedKVCache,
-                                 PagedView,
-                                 batch_layout,
-                                 gather_reference,
-                                 make_paged_cache,
-                                 paged_forward,
-                                 )
+    BatchLayout,
+    BlockManager,
+    PagedKVCache,
+    PagedView,
+    batch_layout,
+    gather_reference,
+    make_paged_cache,
+    paged_forward,
+)
 from support import assert_logits_close
 
 

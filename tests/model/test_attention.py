@@ -10,13 +10,13 @@ from transformers.models.llama.modeling_llama import repeat_kv as hf_repeat_kv
 from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
 from minillm.model.attention import (
-                                     attention_mask,
-                                     attention_weights,
-                                     causal_mask,
-                                     padding_mask,
-                                     repeat_kv,
-                                     scaled_dot_product_attention,
-                                     )
+    attention_mask,
+    attention_weights,
+    causal_mask,
+    padding_mask,
+    repeat_kv,
+    scaled_dot_product_attention,
+)
 
 # (B, H, Hkv, T, S, D); the second is Qwen2.5-0.5B's head layout
 SHAPES = [(1, 1, 1, 7, 7, 8), (2, 14, 2, 9, 9, 64), (3, 8, 4, 5, 5, 32), (2, 6, 1, 3, 3, 16)]

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from minillm.model.devices import (
-                                   default_dtype,
-                                   parse_device,
-                                   parse_dtype,
-                                   peak_memory_mib,
-                                   pick_device,
-                                   reset_peak_memory,
-                                   synchronized_time,
-                                   )
+    default_dtype,
+    parse_device,
+    parse_dtype,
+    peak_memory_mib,
+    pick_device,
+    reset_peak_memory,
+    synchronized_time,
+)
 
 
 def test_pick_device():

@@ -16,12 +16,12 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from minillm.model.rope import (
-                                SUPPORTED_ROPE_TYPES,
-                                apply_rope,
-                                rope_cos_sin,
-                                rope_inv_freq,
-                                rotate_half,
-                                )
+    SUPPORTED_ROPE_TYPES,
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_freq,
+    rotate_half,
+)
 
 LLAMA3_1 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}

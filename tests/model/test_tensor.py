@@ -6,25 +6,25 @@ import pytest
 import torch
 
 from minillm.model.tensor import (
-                                  Layout,
-                                  Storage,
-                                  Tensor,
-                                  add,
-                                  broadcast_shapes,
-                                  contiguous,
-                                  contiguous_strides,
-                                  expand,
-                                  getitem,
-                                  matmul,
-                                  mul,
-                                  narrow,
-                                  permute,
-                                  reshape,
-                                  select,
-                                  transpose,
-                                  view,
-                                  weight_bytes,
-                                  )
+    Layout,
+    Storage,
+    Tensor,
+    add,
+    broadcast_shapes,
+    contiguous,
+    contiguous_strides,
+    expand,
+    getitem,
+    matmul,
+    mul,
+    narrow,
+    permute,
+    reshape,
+    select,
+    transpose,
+    view,
+    weight_bytes,
+)
 
 
 def assert_same(ours: Tensor, theirs: torch.Tensor) -> None:

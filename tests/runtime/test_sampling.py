@@ -15,30 +15,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (
-                                                    LogitsProcessorList,
-                                                    MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper,
-                                                    TopKLogitsWarper,
-                                                    TopPLogitsWarper,
-                                                    TypicalLogitsWarper,
-                                                    )
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 from support import DATA
 from minillm.runtime.sampling import (
-                                      SampleResult,
-                                      SamplingParams,
-                                      apply_penalties,
-                                      apply_temperature,
-                                      beam_search,
-                                      make_generator,
-                                      min_p_filter,
-                                      process_logits,
-                                      sample,
-                                      top_k_filter,
-                                      top_p_filter,
-                                      typical_filter,
-                                      )
+    SampleResult,
+    SamplingParams,
+    apply_penalties,
+    apply_temperature,
+    beam_search,
+    make_generator,
+    min_p_filter,
+    process_logits,
+    sample,
+    top_k_filter,
+    top_p_filter,
+    typical_filter,
+)
 
 NO_IDS = torch.zeros(1, 1, dtype=torch.long)  # the warpers ignore input_ids
 

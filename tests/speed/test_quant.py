@@ -26,24 +26,24 @@ from minillm.weights.embedded import embedded_gguf_path
 from minillm.runtime.evaluate import forced_choices, greedy_agreement, kl_divergence, perplexity
 from minillm.model.decoder import from_folder
 from minillm.speed.quant import (
-                                 GGUF_DEQUANTIZE,
-                                 Int4Linear,
-                                 Int8Embedding,
-                                 Int8Linear,
-                                 dequantize_int4,
-                                 dequantize_int8,
-                                 dequantize_q4_0,
-                                 dequantize_q4_1,
-                                 dequantize_q8_0,
-                                 gguf_linear,
-                                 load_gguf_quantized,
-                                 model_bytes,
-                                 pack_int4,
-                                 quantize_int4,
-                                 quantize_int8,
-                                 quantize_model,
-                                 unpack_int4,
-                                 )
+    GGUF_DEQUANTIZE,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    dequantize_q4_0,
+    dequantize_q4_1,
+    dequantize_q8_0,
+    gguf_linear,
+    load_gguf_quantized,
+    model_bytes,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    unpack_int4,
+)
 from support import assert_logits_close, top2_margin
 
 

@@ -19,19 +19,19 @@ from support import ROOT
 from minillm.text.chat_template import TEMPLATE_SECONDS, render_chat
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.text.tokenizer import (
-                                    QWEN_ADDED_TOKENS,
-                                    QWEN_PATTERN,
-                                    StreamDecoder,
-                                    Tokenizer,
-                                    bpe,
-                                    bytes_to_unicode,
-                                    load_tiktoken_ranks,
-                                    merges_from_ranks,
-                                    qwen_tiktoken_path,
-                                    spell,
-                                    split_pre_tokenizer,
-                                    unspell,
-                                    )
+    QWEN_ADDED_TOKENS,
+    QWEN_PATTERN,
+    StreamDecoder,
+    Tokenizer,
+    bpe,
+    bytes_to_unicode,
+    load_tiktoken_ranks,
+    merges_from_ranks,
+    qwen_tiktoken_path,
+    spell,
+    split_pre_tokenizer,
+    unspell,
+)
 
 REFERENCE = json.loads((ROOT / "data/smollm2/reference.json").read_text(encoding="utf-8"))
 

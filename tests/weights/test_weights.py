@@ -23,15 +23,15 @@ from support import DATA, TINY
 import minillm.weights.loading as weights
 from minillm.model.decoder import CausalLM, ModelConfig
 from minillm.weights.loading import (
-                                     WeightsError,
-                                     checkpoint_files,
-                                     from_gguf,
-                                     gguf_to_hf_name,
-                                     load_folder,
-                                     load_model,
-                                     read_safetensors_header,
-                                     unpermute_qk,
-                                     )
+    WeightsError,
+    checkpoint_files,
+    from_gguf,
+    gguf_to_hf_name,
+    load_folder,
+    load_model,
+    read_safetensors_header,
+    unpermute_qk,
+)
 from support import SMOLLM2_REL, assert_logits_close
 
 HF_TO_GGUF_BLOCK = {v: k for k, v in weights._GGUF_BLOCK.items()}
