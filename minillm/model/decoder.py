@@ -16,7 +16,6 @@ References:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from minillm.model.attention import scaled_dot_product_attention
 from minillm.model.devices import on_host
 from minillm.model.layers import MLP, RMSNorm
 from minillm.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from minillm.utils.files import read_json_object
 from minillm.utils.validate import is_number, is_positive_int
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -165,15 +165,9 @@ def read_config_json(path: str | Path) -> tuple[dict, Path]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"model config not found: {path}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply") from None
-    return cfg, path
+    if not path.is_file():
+        raise FileNotFoundError(f"model config not found: {path}")
+    return read_json_object(path), path  # UTF-8, valid JSON and an object, or ValueError naming the file
 
 
 def _ratio(hidden_size, heads):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import codecs
 import importlib.util
-import json
 import operator
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,6 +29,9 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from minillm.text.chat_template import render_chat
+from minillm.text.tokenizer_files import (config_token, folder_templates, generation_eos_ids, gguf_templates,
+                                          template_named)
+from minillm.utils.files import read_json_object
 from minillm.weights.gguf_file import read_gguf
 
 
@@ -277,22 +279,29 @@ def _end_ids(backend: BackendTokenizer, eos_token: str | None, eos_token_ids: It
 class Tokenizer(_ByteLevelBPE):
     """Byte-level BPE (a `tokenizers.Tokenizer` inside) plus its chat template and end-of-reply ids."""
 
-    def __init__(self, backend: BackendTokenizer, *, chat_template: str | None = None, bos_token: str | None = None,
-                 eos_token: str | None = None, eos_token_ids: Iterable[int] = (), source: str = "tokenizer"):
-        super().__init__(backend, source)
-        self.chat_template = chat_template
+    def __init__(self, backend: BackendTokenizer, *, chat_template: str | dict[str, str] | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None, eos_token_ids: Iterable[int] = (),
+                 source: str = "tokenizer"):
+        super().__init__(backend, source)  # chat_template: one template, or several by name ({"default": ...})
+        templates = chat_template if isinstance(chat_template, dict) else {"default": chat_template}
+        self.chat_templates = {name: text for name, text in templates.items() if text is not None}
+        self.chat_template = self.chat_templates.get("default")
         self.bos_token, self.eos_token = bos_token, eos_token
         self.eos_token_ids = _end_ids(backend, eos_token, eos_token_ids)
 
     def __repr__(self) -> str:
         return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
 
-    def chat_text(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The chat rendered by this tokenizer's template (with bos_token/eos_token available)."""
-        if self.chat_template is None:
+    def chat_text(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                  template_name: str | None = None, **kwargs: Any) -> str:
+        """The chat rendered by the template named, else 'tool_use' given tools (as transformers), else the default."""
+        if template_name is None and kwargs.get("tools") and "tool_use" in self.chat_templates:
+            template_name = "tool_use"
+        template = self.chat_template if template_name is None else template_named(self.chat_templates, template_name, self.source)
+        if template is None:
             raise ValueError(f"{self.source} has no chat template; pass one to render_chat()")
         kwargs = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
-        return render_chat(self.chat_template, messages, add_generation_prompt, **kwargs)
+        return render_chat(template, messages, add_generation_prompt, **kwargs)
 
     def apply_chat_template(
         self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any
@@ -312,8 +321,7 @@ class Tokenizer(_ByteLevelBPE):
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
-        """A Hugging Face model folder: tokenizer.json, plus tokenizer_config.json (chat template,
-        bos/eos tokens), chat_template.jinja and generation_config.json (eos ids) when present."""
+        """A Hugging Face model folder: tokenizer.json and its companions (templates, eos ids)."""
         return cls(**_folder_parts(Path(folder)))
 
 
@@ -373,21 +381,9 @@ def _gguf_parts(path: Path) -> dict[str, Any]:
     _add_tokens(backend, special=[t for t, k in zip(tokens, types) if k == 3],
                 plain=[t for t, k in zip(tokens, types) if k == 4])
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-    return dict(backend=backend, chat_template=meta.get("tokenizer.chat_template"),
+    return dict(backend=backend, chat_template=gguf_templates(meta, path),
                 bos_token=_gguf_token(meta, "bos_token_id", path), eos_token=_gguf_token(meta, "eos_token_id", path),
                 eos_token_ids=eos, source=str(path))
-
-
-def _token_str(value: Any) -> str | None:
-    """A tokenizer_config.json token: a string, or an AddedToken dict with 'content'."""
-    return value.get("content") if isinstance(value, dict) else value
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
 
 
 def _folder_parts(folder: Path) -> dict[str, Any]:
@@ -402,19 +398,14 @@ def _folder_parts(folder: Path) -> dict[str, Any]:
         backend = BackendTokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises its own Exception subclass for any bad file
         raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from exc
-    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    template = config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    eos_token = _token_str(config.get("eos_token"))
+    config_path = folder / "tokenizer_config.json"
+    config = read_json_object(config_path) if config_path.is_file() else {}
+    eos_token = config_token(config, "eos_token", config_path)
     eos_ids = [backend.token_to_id(eos_token)] if eos_token else []
-    if (folder / "generation_config.json").is_file():
-        generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
-        eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
-    return dict(backend=backend, chat_template=template, bos_token=_token_str(config.get("bos_token")),
-                eos_token=eos_token, eos_token_ids=[i for i in eos_ids if i is not None], source=str(folder))
+    eos_ids += generation_eos_ids(folder / "generation_config.json")
+    return dict(backend=backend, chat_template=folder_templates(folder, config), source=str(folder),
+                bos_token=config_token(config, "bos_token", config_path), eos_token=eos_token,
+                eos_token_ids=[i for i in eos_ids if i is not None])
 
 
 class StreamDecoder:

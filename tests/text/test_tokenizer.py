@@ -4,7 +4,6 @@ data/smollm2/reference.json; bad input; planted bugs that the comparisons must c
 from __future__ import annotations
 
 import json
-import time
 import unicodedata
 
 import jinja2
@@ -16,7 +15,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, normalizers
 
 from support import ROOT
-from minillm.text.chat_template import TEMPLATE_SECONDS, render_chat
+from minillm.text.chat_template import render_chat
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.text.tokenizer import (
     QWEN_ADDED_TOKENS,
@@ -345,23 +344,6 @@ def test_template_kwargs_like_qwen3_enable_thinking(smol, enable_thinking):
                                       add_generation_prompt=True, **kwargs)
     assert render_chat(QWEN3_STYLE_TEMPLATE, messages, add_generation_prompt=True, **kwargs) == expected
     assert ("<think>" in expected) == (enable_thinking is False)
-
-
-@pytest.mark.parametrize("template, message", [
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran for more than"),
-    ("{% for i in range(100000) %}{{ range(100000) | list | length }}{% endfor %}", "ran for more than"),
-    ("{{ lipsum(n=10**6) }}", "lipsum"),
-    ("{{ 'a' * 10**9 }}", "builds a value of 1000000000 items"),
-    ("{{ 10**9 * ['x'] }}", "builds a value"),
-    ("{{ 2 ** 100000000 }}", "power"),
-    ("{% for i in range(100000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "output passed 1000000 characters"),
-], ids=["nested loops", "calls in a loop", "lipsum", "string times", "list times", "power", "output size"])
-def test_hostile_templates_end_quickly_with_a_template_error(template, message):
-    """From an adversarial probe: each once ran past 20 s (or ate memory); now each is refused."""
-    t0 = time.monotonic()
-    with pytest.raises(jinja2.exceptions.TemplateError, match=message):
-        render_chat(template, [{"role": "user", "content": "hi"}])
-    assert time.monotonic() - t0 < TEMPLATE_SECONDS + 1.0
 
 
 def test_a_merge_outside_the_vocabulary_is_named(tmp_path):
