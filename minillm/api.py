@@ -29,7 +29,7 @@ from minillm.runtime.speculative import stream as speculative_stream
 from minillm.parallel.tensor_parallel import load_rank_shard
 from minillm.text.tokenizer import Tokenizer
 from minillm.text.tool_calls import call_format, validate_tools, encode_with_tools, parse_tool_calls
-from minillm.weights.loading import load_model
+from minillm.weights.loading import gguf_architecture, load_model
 from minillm.utils.validate import is_int
 
 
@@ -127,6 +127,8 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     path = Path(source)
+    if path.suffix == ".gguf":  # the header alone: a model minillm lacks is refused before its
+        gguf_architecture(path)  # tokenizer decodes a vocabulary (Gemma 3: 262,144 tokens)
     if quantize == "gguf":
         _validate_gguf_source(source, device, dtype)
     tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # fails before the weights

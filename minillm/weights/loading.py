@@ -28,7 +28,7 @@ import torch
 from gguf.quants import dequantize
 
 from minillm.model.devices import default_dtype, pick_device
-from minillm.weights.gguf_file import WeightsError, read_gguf
+from minillm.weights.gguf_file import WeightsError, check_gguf_header, read_gguf
 from minillm.weights.hub import REPO_ID, download
 from minillm.model.decoder import CausalLM, ModelConfig, load_weights
 
@@ -60,6 +60,7 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 
 _MISSING = object()
+_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base")  # FLOAT32 in llama.cpp's files
 
 
 def _meta(reader, key: str, path: Path, default=_MISSING):
@@ -68,6 +69,8 @@ def _meta(reader, key: str, path: Path, default=_MISSING):
         if default is _MISSING:
             raise WeightsError(f"{path}: GGUF metadata key {key!r} is missing")
         return default
+    if key.endswith(_FLOAT_KEYS) and field.types[0] not in (gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64):
+        raise WeightsError(f"{path}: GGUF metadata key {key!r} is a {field.types[0].name}, not a float")
     try:
         return field.contents()
     except (ValueError, IndexError, TypeError) as exc:  # e.g. a string that is not UTF-8
@@ -77,9 +80,7 @@ def _meta(reader, key: str, path: Path, default=_MISSING):
 def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
     """A ModelConfig from a GGUFReader's metadata (llama, qwen2, qwen3)."""
     path = Path(path)
-    arch = _meta(reader, "general.architecture", path)
-    if arch not in GGUF_ARCHITECTURES:
-        raise WeightsError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    arch = _supported(_meta(reader, "general.architecture", path), path)
     key = lambda name, default=_MISSING: _meta(reader, f"{arch}.{name}", path, default)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     heads = key("attention.head_count")
@@ -112,6 +113,21 @@ def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
     return config
 
 
+def _supported(arch, path: Path) -> str:
+    """The architecture, if minillm has a model for it; else WeightsError naming the file and those it has."""
+    if arch not in GGUF_ARCHITECTURES:
+        raise WeightsError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """A GGUF file's supported `general.architecture`, from the header check alone: before any vocabulary is read."""
+    arch = check_gguf_header(path).get("general.architecture")
+    if not isinstance(arch, str):
+        raise WeightsError(f"{path}: GGUF metadata key 'general.architecture' is missing or not a string")
+    return _supported(arch, Path(path))
+
+
 def hf_rows(config: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     """A GGUF tensor's rows in Hugging Face's order: llama.cpp permuted a llama model's q and k rows."""
     if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -122,6 +138,7 @@ def hf_rows(config: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
 def open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], list[tuple[str, gguf.ReaderTensor]]]:
     """Check a GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read yet."""
     path = Path(path)
+    gguf_architecture(path)  # from the header, in milliseconds: before gguf-py decodes a vocabulary
     reader = read_gguf(path)
     config = gguf_config(reader, path)
     shapes, infos = {}, []
@@ -343,7 +360,7 @@ def _validate_gguf_tensor(path: Path, reader: gguf.GGUFReader, t: gguf.ReaderTen
 def _validate_gguf_layout(path: Path, reader: gguf.GGUFReader, infos: list) -> None:
     """The tensors' data lies back to back, each padded to the alignment, and nothing follows the last one."""
     size = path.stat().st_size
-    end, previous, align = reader.data_offset, "the start of the data", reader.alignment
+    end, previous, align = int(reader.data_offset), "the start of the data", int(reader.alignment)  # not uint32
     for begin, n_bytes, name in sorted((t.data_offset, int(t.n_bytes), t.name) for _, t in infos):
         if begin != end:
             raise WeightsError(f"{path}: tensor {name} starts at byte {begin}, but {previous} ends at {end} "

@@ -94,8 +94,9 @@ def hf_to_gguf_name(name):
     return f"{HF_TO_GGUF_GLOBAL['.'.join(parts[:-1])]}.{parts[-1]}"
 
 
-def write_gguf(fixture, path, qtype=Q.F32, arch=None, skip_keys=(), extra=None, extra_u32=None):
-    """Convert data/<fixture> to a GGUF file the way llama.cpp's converter does; 2-D weights as `qtype`."""
+def write_gguf(fixture, path, qtype=Q.F32, arch=None, skip_keys=(), extra=None, extra_u32=None, arrays=None):
+    """Convert data/<fixture> to a GGUF file the way llama.cpp's converter does; 2-D weights as `qtype`.
+    arrays: {key: (values, element type)} written as extra metadata arrays (nested lists: arrays of arrays)."""
     cfg = json.loads((DATA / fixture / "config.json").read_text())
     sd = load_file(DATA / fixture / "model.safetensors")
     arch = arch or cfg["model_type"]
@@ -117,6 +118,8 @@ def write_gguf(fixture, path, qtype=Q.F32, arch=None, skip_keys=(), extra=None, 
         w.add_string(k, v)
     for k, v in (extra_u32 or {}).items():
         w.add_uint32(k, v)
+    for k, (values, element_type) in (arrays or {}).items():
+        w.add_key_value(k, values, gguf.GGUFValueType.ARRAY, sub_type=element_type)
     w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
     for name, t in sd.items():
         if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
