@@ -92,11 +92,11 @@ def _size(value: Any, seen: dict[int, int] | None = None) -> int:
     return seen[id(value)]
 
 
-def _within(size: int, what: str) -> None:
+def _within(size: int, what: str, unit: str = "characters or items") -> None:
     """SecurityError, before the value is built, when it would weigh more than TEMPLATE_CHARS."""
     if size > TEMPLATE_CHARS:
         raise jinja2.exceptions.SecurityError(
-            f"the chat template {what} of {size:,} characters or items (the limit is {TEMPLATE_CHARS:,})")
+            f"the chat template {what} of {size:,} {unit} (the limit is {TEMPLATE_CHARS:,})")
 
 
 def _joined_size(items: Iterable[Any], separator: str = "") -> int:
@@ -208,9 +208,9 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
             raise jinja2.exceptions.SecurityError(f"the chat template raises to the power {right}")
         if operator == "**" and numbers:
-            _within(left.bit_length() * abs(right) // 3, "raises a number")
+            _within(left.bit_length() * abs(right) // 3, "raises a number", "digits")
         elif operator == "*" and numbers:
-            _within((left.bit_length() + right.bit_length()) // 3, "multiplies numbers")
+            _within((left.bit_length() + right.bit_length()) // 3, "multiplies numbers", "digits")
         elif operator == "*" and isinstance(right, (str, list, tuple)) and isinstance(left, int):
             _within(_size(right) * left, "repeats a value")
         elif operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
