@@ -384,7 +384,7 @@ def test_a_float_tensor_relabelled_as_integers_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda cfg: [cfg], "a model config must be a JSON object, got list"),
+    (lambda cfg: [cfg], r"config.json: must hold a JSON object \{...\}, got a list"),
     (lambda cfg: {**cfg, "head_dim": 1e-30}, "head_dim must be a positive integer, got 1e-30"),
     (lambda cfg: {**cfg, "head_dim": "llama"}, "head_dim must be a positive integer, got 'llama'"),
     (lambda cfg: {**cfg, "num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
