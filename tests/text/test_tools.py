@@ -70,16 +70,43 @@ def test_messages_for_a_template_with_tools():
     assert render_chat(template, messages, add_generation_prompt=False, tools=[ADD]) == '[add]hi;{"a": 1};'
 
 
-@pytest.mark.parametrize("tools, choice, words", [
-    ([], "auto", "non-empty list"), ([{"type": "function", "function": {"name": "a b"}}], None, "tools[0]"),
-    ([ADD, ADD], None, "same name"), ([{"type": "function", "function": {"name": "f", "parameters": []}}], None,
-                                      "parameters"),
-    ([ADD], "sometimes", "tool_choice must be"), ([ADD], {"type": "function", "function": {"name": "x"}}, "names no"),
-    (None, "required", "needs tools")])
-def test_check_tools_names_the_problem(tools, choice, words):
+def fn(**function) -> dict:
+    return {"type": "function", "function": function}
+
+
+@pytest.mark.parametrize("tools, choice, path, words", [
+    ([], "auto", "tools", "non-empty list"), ("add", None, "tools", "non-empty list"),
+    ([fn(name="a b")], None, "tools[0].function.name", "64 letters"),
+    ([fn(name=123)], "required", "tools[0].function.name", "got 123"),  # str(123) matched the pattern
+    ([ADD, ADD], None, "tools[1].function.name", "same name as tools[0]"),
+    ([ADD, fn(name="f", parameters=[])], None, "tools[1].function.parameters", "JSON schema"),
+    ([fn(name="f", description=5)], None, "tools[0].function.description", "must be a string"),
+    ([ADD, "add"], None, "tools[1]", "'type': 'function'"), ([{"type": "function", "function": "add"}], None,
+                                                              "tools[0].function", "must be an object"),
+    ([fn(name="f", description="\ud800")], None, "tools[0].function.description", "lone surrogate"),
+    ([fn(name="f", parameters={"properties": {"x": {"description": "\udfff"}}})], None,
+     "tools[0].function.parameters.properties.x.description", "lone surrogate"),
+    ([ADD], "sometimes", "tool_choice", "tool_choice must be"), ([ADD], ["add"], "tool_choice", "got ['add']"),
+    ([ADD], 5, "tool_choice", "got 5"), ([ADD], {"function": {"name": "add"}}, "tool_choice.type", "'function'"),
+    ([ADD], {"type": "function", "function": "add"}, "tool_choice.function", "must be an object"),
+    ([ADD], {"type": "function"}, "tool_choice.function", "got None"),
+    ([ADD], {"type": "function", "function": {}}, "tool_choice.function.name", "got None"),
+    ([ADD], {"type": "function", "function": {"name": 5}}, "tool_choice.function.name", "got 5"),
+    ([ADD], {"type": "function", "function": {"name": "x"}}, "tool_choice.function.name", "['add']"),
+    (None, "required", "tool_choice", "needs tools"), (None, {"type": "function"}, "tool_choice", "needs tools")])
+def test_check_tools_names_the_path_of_the_problem(tools, choice, path, words):
+    """Each message starts with the path of the value at fault (the server's `param`), then says what is wrong."""
     with pytest.raises(ValueError) as err:
         validate_tools(tools, choice)
-    assert words in str(err.value)
+    assert str(err.value).split(" ", 1)[0] == path and words in str(err.value), str(err.value)
+
+
+def test_check_tools_takes_openai_shapes():
+    described = fn(name="now", description="The time now", parameters=None)  # null: no parameters, as absent
+    assert validate_tools([ADD, described], None) == ([ADD, described], "auto")
+    named = {"type": "function", "function": {"name": "now"}}
+    assert validate_tools([ADD, NOW], named) == ([ADD, NOW], named)
+    assert validate_tools(None, None) == ([], "none") and validate_tools(None, "none") == ([], "none")
 
 
 def test_llm_chat_with_tools(smollm2):
