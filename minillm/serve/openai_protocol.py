@@ -9,6 +9,7 @@ fields and their ranges); the server (minillm/serve/server.py) runs what passes.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import time
@@ -24,10 +25,12 @@ from minillm.runtime.engine import Output
 from minillm.runtime.generate import validate_prompt
 from minillm.runtime.sampling import SamplingParams
 from minillm.text.tool_calls import call_format, validate_tools, encode_with_tools, parse_tool_calls
-from minillm.utils.validate import is_int, is_number, is_positive_int
+from minillm.utils.validate import is_int, is_number, is_positive_int, json_problem, lone_surrogate, shown
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+               413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "server_error"}
+MAX_MESSAGE = 2000  # characters of an error message
 
 
 class APIError(Exception):
@@ -36,6 +39,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
+        if len(message) > MAX_MESSAGE:  # one that quotes a client's value never echoes 2 MB back
+            message = f"{message[:MAX_MESSAGE]}... ({len(message):,} characters)"
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def response(self) -> JSONResponse:
@@ -124,23 +129,41 @@ def output_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
 
 
+MAX_DEPTH = 64  # levels of nesting in a body: far below Python's recursion limit, far above any real schema
+
+
 async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object; 413 past `limit` bytes (counted while reading), 400 if not JSON."""
+    """The body as a JSON object: 415 unless sent as application/json, 413 past `limit` bytes (counted
+    while reading), 400 if not JSON (parse_json)."""
     body, size = bytearray(), 0
     async for chunk in request.stream():  # read to the end (the client can then read our answer), keep <= limit
         size += len(chunk)
         if size <= limit:
             body += chunk
+    kind = request.headers.get("content-type")
+    media, _, charset = (kind or "").lower().partition(";")
+    if media.strip() != "application/json" or charset.replace(" ", "").replace('"', "") not in ("", "charset=utf-8"):
+        raise APIError(415, f"the body must be JSON sent with Content-Type: application/json, got Content-Type "
+                       f"{shown(kind)}", None, "unsupported_media_type")
     if size > limit:
         raise APIError(413, f"the request body has {size} bytes; the limit is {limit}")
+    return await asyncio.to_thread(parse_json, bytes(body))  # a big body's walk: not on the event loop
+
+
+def parse_json(body: bytes) -> dict:
+    """A body as a JSON object in which every string is valid Unicode and nothing is nested deeper than
+    MAX_DEPTH; 400 otherwise, naming the path of the value at fault."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more than 4,300 digits
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
     except RecursionError:  # json's parser recurses once per level of nesting
         raise APIError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    problem = json_problem(data, MAX_DEPTH)
+    if problem is not None:
+        raise APIError(400, " ".join(problem), problem[0])
     return data
 
 
@@ -151,10 +174,8 @@ def _text(value, what: str, param: str) -> str:
     """A string the tokenizer can encode: 400 for anything else, or a lone UTF-16 surrogate."""
     if not isinstance(value, str):
         raise APIError(400, f"{what} must be a string, got {type(value).__name__}", param)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, f"{what} holds a lone surrogate (not valid Unicode text)", param) from None
+    if lone_surrogate(value) is not None:
+        raise APIError(400, f"{what} holds a lone surrogate (not valid Unicode text)", param)
     return value
 
 
@@ -165,7 +186,7 @@ def _tool_calls(calls, i: int) -> list[dict]:
     try:
         ok = isinstance(calls, list) and all(isinstance(c["function"]["name"], str) and
                                              isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, KeyError, ValueError, RecursionError):  # arguments '[[[...' parse by recursion
         ok = False
     if not ok:
         raise APIError(400, f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', 'function': "
@@ -175,12 +196,13 @@ def _tool_calls(calls, i: int) -> list[dict]:
 
 def offered_tools(body: dict, chat: bool) -> tuple[list[dict], str | dict]:
     """The request's tools and tool_choice, checked (minillm/text/tool_calls.py); 400 naming the field."""
-    if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
-        raise APIError(400, "tools are supported on /v1/chat/completions only", "tools")
+    sent = [field for field in ("tools", "tool_choice") if body.get(field) is not None]
+    if sent and not chat:
+        raise APIError(400, f"{sent[0]} is supported on /v1/chat/completions only", sent[0])
     try:
         return validate_tools(body.get("tools"), body.get("tool_choice"))
-    except ValueError as exc:
-        raise APIError(400, str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
+    except ValueError as exc:  # its message starts with the path of the value at fault: tools[2].function.name
+        raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
 
 
 def with_tool_calls(message: dict, text: str, finish: str, delta: bool) -> str:
@@ -221,8 +243,18 @@ def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
                       **({"tool_calls": calls} if calls else {})})
     try:
         return encode_with_tools(llm.tokenizer, clean, list(tools))
-    except Exception as exc:  # the template may reject a conversation (e.g. roles out of order)
-        raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
+    except Exception as exc:  # the template may reject a conversation (e.g. roles out of order), or the tools
+        field = "tools" if tools and _renders(llm, clean) else "messages"
+        raise APIError(400, f"the chat template failed on these {field}: {exc}", field) from None
+
+
+def _renders(llm: LLM, messages: list[dict]) -> bool:
+    """Whether the chat template takes these messages without tools: which of the two it refused."""
+    try:
+        encode_with_tools(llm.tokenizer, messages, [])
+    except Exception:
+        return False
+    return True
 
 
 def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
@@ -239,12 +271,12 @@ def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
     return llm.tokenizer.encode(_text(prompt, "prompt", "prompt"))
 
 
-def _flag(body: dict, name: str) -> bool:
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
     value = body.get(name, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+        raise APIError(400, f"{param or name} must be true or false, got {shown(value)}", param or name)
     return value
 
 
@@ -256,7 +288,7 @@ def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
     best_of on /v1/completions only, and not streamed (the best are known only at the end)."""
     n = body.get("n") if body.get("n") is not None else 1
     if not is_int(n) or not 1 <= n <= MAX_CHOICES:
-        raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
+        raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {shown(n)}", "n")
     best_of = body.get("best_of")
     if best_of is None:
         return n, n
@@ -264,7 +296,7 @@ def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
         raise APIError(400, "best_of is supported on /v1/completions only", "best_of")
     if not is_int(best_of) or not n <= best_of <= MAX_CHOICES:
         raise APIError(400, f"best_of must be an integer in [n, {MAX_CHOICES}] = [{n}, {MAX_CHOICES}], "
-                       f"got {best_of!r}", "best_of")
+                       f"got {shown(best_of)}", "best_of")
     if stream and best_of > n:
         raise APIError(400, "best_of > n cannot be streamed: the best choices are known only at the end", "best_of")
     return n, best_of
@@ -272,11 +304,14 @@ def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
 
 def requested_model(body: dict, model_name: str, adapters: list[str]) -> tuple[str, str | None]:
     """(model id, LoRA adapter or None): the served model, or "<served model>:<adapter>" (notebook 19)."""
-    model = body.get("model", model_name)
-    adapter = model[len(model_name) + 1:] if isinstance(model, str) and model.startswith(model_name + ":") else None
+    model = model_name if body.get("model") is None else body["model"]
+    if not isinstance(model, str):
+        raise APIError(400, f"model must be a string, an id that GET /v1/models lists, got {shown(model)}", "model")
+    adapter = model[len(model_name) + 1:] if model.startswith(model_name + ":") else None
     if model != model_name and adapter not in adapters:
         served = ", ".join(repr(m) for m in [model_name] + [f"{model_name}:{a}" for a in adapters])
-        raise APIError(404, f"the model {model!r} does not exist; this server has {served}", "model", "model_not_found")
+        raise APIError(404, f"the model {shown(model)} does not exist; this server has {served}", "model",
+                       "model_not_found")
     return model, adapter
 
 
@@ -314,7 +349,7 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     if max_tokens is None:
         max_tokens = context - len(prompt_ids)
     if not is_positive_int(max_tokens):
-        raise APIError(400, f"{param} must be an integer >= 1, got {max_tokens!r}", param)
+        raise APIError(400, f"{param} must be an integer >= 1, got {shown(max_tokens)}", param)
     if len(prompt_ids) + max_tokens > context:
         raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and {param} is {max_tokens}: "
                        f"{len(prompt_ids) + max_tokens} tokens, but the context holds {context}",
@@ -328,11 +363,11 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     want_logprobs = _flag(body, "logprobs")
     top = body.get("top_logprobs") or 0
     if not is_int(top) or not 0 <= top <= 20:
-        raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
+        raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {shown(top)}", "top_logprobs")
     knobs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     t = knobs.get("temperature", 1.0)
     if is_number(t) and not 0 <= t <= 2:  # the rest: SamplingParams
-        raise APIError(400, f"temperature must be in [0, 2], got {t!r}", "temperature")
+        raise APIError(400, f"temperature must be in [0, 2], got {shown(t)}", "temperature")
     try:
         params = SamplingParams(**knobs, logprobs=top if want_logprobs else None)
     except (ValueError, TypeError) as exc:
@@ -349,13 +384,15 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
         fmt = forced
     try:  # a bad format or schema is this request's 400 before any answer starts; compiled once, then kept
         validate_response_format(fmt) if constraints is None else constraints.for_format(fmt)
-    except ValueError as exc:
-        message = str(exc) if str(exc).startswith("response_format") else f"response_format: {exc}"
-        raise APIError(400, message, "response_format") from None
+    except ValueError as exc:  # a forced call's format comes from tools, not from a response_format
+        field = "response_format" if forced is None else "tools"
+        message = str(exc) if str(exc).startswith(field) else f"{field}: {exc}"
+        raise APIError(400, message, field) from None
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
-    return ParsedRequest(params, max_tokens, stop, stream, n, best_of, _flag(options, "include_usage"), want_logprobs,
+    usage = _flag(options, "include_usage", "stream_options.include_usage")
+    return ParsedRequest(params, max_tokens, stop, stream, n, best_of, usage, want_logprobs,
                          tools=bool(tools) and choice != "none", model=model,
                          options={"response_format": fmt, "adapter": adapter,
                                   **({"eos_token_ids": ()} if _flag(body, "ignore_eos") else {})})

@@ -5,7 +5,8 @@ A plain module (no notebook): nothing here is about inference. Notebook 14 shows
 work and minillm/serve/server.py composes them; docs/server.md ("Running the server for others") lists the flags.
 
 - `APIKeys`: `Authorization: Bearer KEY` against the configured keys, compared in constant time;
-  logs and metrics name a key by `key_id` (a hash prefix), never by the key.
+  logs and metrics name a key by `key_id` (a hash prefix), never by the key. With keys,
+  `schema_pages` turns FastAPI's /docs, /redoc and /openapi.json off.
 - `KeyLimits`: per key, requests at once and tokens per minute (a token bucket); past either, 429
   with `Retry-After`.
 - `Metrics`: a prometheus-client registry per app: counters and histograms the request path
@@ -343,6 +344,13 @@ class Gate:
             record.end(getattr(exc, "status", 500))
             raise
         return record
+
+
+def schema_pages(keys: APIKeys) -> dict:
+    """FastAPI's keywords for its schema pages (/docs, /redoc, /openapi.json): on without keys, off (404)
+    with keys, so that only /health and /metrics answer without one. Off rather than behind the key:
+    Swagger UI's page fetches /openapi.json without an Authorization header, so it could not work anyway."""
+    return {"docs_url": None, "redoc_url": None, "openapi_url": None} if keys.digests else {}
 
 
 # ---------------------------------------------------------------- the process

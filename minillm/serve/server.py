@@ -40,7 +40,7 @@ from minillm.serve.openai_protocol import (APIError, ParsedRequest, Reply, best_
                                            parse_request, read_json, read_prompt, sse, token_logprobs)
 from minillm.runtime.sampling import SamplingParams
 from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
-                               validate_seconds, configure_access_log)
+                               configure_access_log, schema_pages, validate_seconds)
 from minillm.utils.validate import is_positive_int
 
 
@@ -372,7 +372,7 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
         yield
         bridge.stop()
 
-    app = FastAPI(title="minillm", lifespan=lifespan)
+    app = FastAPI(title="minillm", lifespan=lifespan, **schema_pages(gate.keys))  # with keys: no /docs
     app.state.bridge, app.state.context, app.state.gate = bridge, context, gate
     app.state.drain = lambda: drain(bridge, gate, grace)
     add_error_handlers(app)

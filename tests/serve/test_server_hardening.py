@@ -169,7 +169,7 @@ BAD_400 = {
                           {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages"),
     "lone surrogate in a prompt": ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
     "lone surrogate in a message": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]},
-                                    "messages"),
+                                    "messages[0].content"),
     "seed 2**64": ("/v1/chat/completions", {"messages": HI, "seed": 2**64}, "seed"),
     "unknown role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     "stream 'no'": ("/v1/chat/completions", {"messages": HI, "stream": "no"}, "stream"),

@@ -181,8 +181,9 @@ def test_without_tool_choice_the_answer_is_text_or_calls(client):
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "tools[0]"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "64 letters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "cannot be combined"),
