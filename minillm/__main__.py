@@ -138,7 +138,7 @@ def lora_specs(args) -> dict[str, str]:
 def _add_weight_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int8", "int4", "gguf"],
                    help="weight-only quantization: int8 (per channel), int4 (per group), or gguf "
-                        "(keep a .gguf file's Q4_0/Q4_1 blocks; cpu); default: none")
+                        "(keep a .gguf file's Q4_0/Q4_1/Q8_0 blocks, dequantize its other types; cpu); default: none")
     p.add_argument("--group-size", type=int, help="inputs per int4 scale: 32, 64, 128 or 256 (default: 32)")
     p.add_argument("--fast", action="store_true", help="the fast path: fused projections, SDPA (notebook 15)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast path (needs --fast; "

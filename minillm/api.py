@@ -117,7 +117,8 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct.
 
     quantize (notebook 13): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
-    the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1 blocks quantized (CPU).
+    the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks quantized and dequantizes
+    its other tensor types to float32 (CPU).
     fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too.
     lora (notebook 19): a PEFT LoRA adapter's folder, merged into the float weights before the options.
     tensor_parallel (notebook 20): N, in each of the N processes torchrun starts: this rank's shard."""

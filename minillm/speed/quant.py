@@ -26,11 +26,11 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import gguf
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minillm.weights.gguf_types import gguf_float
 from minillm.weights.loading import validate_names_and_shapes, open_gguf, hf_rows
 
 MODES = ("int8", "int4")
@@ -390,7 +390,8 @@ def gguf_linear(raw: torch.Tensor, shape: Sequence[int], qtype: str, kernel: str
     if qtype == "Q8_0":
         return Int8Linear(*quantize_int8(dequantize_q8_0(raw, shape), name), kernel=kernel)
     if qtype not in ("Q4_0", "Q4_1"):
-        raise ValueError(f"{name}: GGUF type {qtype} cannot stay quantized; supported: {', '.join(GGUF_BLOCKS)}")
+        raise ValueError(f"{name}: GGUF type {qtype} cannot stay quantized; supported: {', '.join(GGUF_BLOCKS)} "
+                         "(load_gguf_quantized dequantizes the other types to float32)")
     N, K = shape
     b = _blocks(raw, shape, qtype)  # (N * K/32, bytes)
     d = _f16(b[:, :2]).reshape(N, K // 32)  # (N, K/32)
@@ -404,32 +405,27 @@ def gguf_linear(raw: torch.Tensor, shape: Sequence[int], qtype: str, kernel: str
 def load_gguf_quantized(path: str | Path, kernel: str = "auto") -> nn.Module:
     """A CausalLM (CPU) from a GGUF file whose Q4_0/Q4_1/Q8_0 linears stay quantized in memory.
 
-    The file is checked by minillm.weights.loading first; F32/F16/BF16 tensors load as float32; the
-    embedding becomes int8 rows, shared with a tied head. Other block types: ValueError."""
+    The file is checked by minillm.weights.loading first (a type gguf-py cannot decode: WeightsError).
+    Q4_0/Q4_1 -> Int4Linear, Q8_0 -> Int8Linear (GGUF_BLOCKS, decoded here); every other type gguf-py
+    decodes (Q5_0, the K-quants, IQ*, F16, ...) is dequantized to a float32 nn.Linear: no kernel for it.
+    The embedding becomes int8 rows, shared with a tied head."""
     path = Path(path)
-    config, shapes, infos = open_gguf(path)  # every count, offset and block size checked
+    config, shapes, infos = open_gguf(path)  # every count, offset, type and block size checked
     model = validate_names_and_shapes(config, shapes, str(path))  # on the meta device: no memory yet
     dense, embed = {}, None
     for name, t in infos:
         qtype, shape = t.tensor_type.name, shapes[name]
-        if qtype in GGUF_BLOCKS:
-            w = torch.from_numpy(t.data.copy()).reshape(shape[0], -1)  # (rows, bytes per row)
-        elif qtype in ("F32", "F16", "BF16"):
-            w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float().reshape(shape)
-        else:
-            raise ValueError(f"{path}: tensor {t.name} is {qtype}; kept quantized: {', '.join(GGUF_BLOCKS)}; "
-                             "float: F32, F16, BF16 (load it with minillm.weights.loading.from_gguf instead)")
+        kept = qtype in GGUF_BLOCKS and len(shape) == 2  # the file's blocks; anything else: float32
+        w = torch.from_numpy(t.data.copy()).reshape(shape[0], -1) if kept else gguf_float(t, shape)
         w = hf_rows(config, name, w)  # whole rows move: blocks never straddle rows
         if name == "model.embed_tokens.weight":
-            embed = (w, qtype, shape)
-        elif qtype in GGUF_BLOCKS and len(shape) == 2:
+            embed = GGUF_DEQUANTIZE[qtype](w, shape) if kept else w
+        elif kept:
             parent, _, attr = name.removesuffix(".weight").rpartition(".")
             setattr(model.get_submodule(parent), attr, gguf_linear(w, shape, qtype, kernel, name))
         else:
             dense[name] = w
-    w, qtype, shape = embed
-    embed = GGUF_DEQUANTIZE[qtype](w, shape) if qtype in GGUF_BLOCKS else w
-    model.load_state_dict(dense, strict=False, assign=True)  # norms (and float linears) replace meta tensors
+    model.load_state_dict(dense, strict=False, assign=True)  # norms and dequantized linears replace meta tensors
     _quantize_embedding(model, embed, kernel)  # int8 rows, re-quantized; a tied head shares them
     model.reset_rope("cpu")  # built on the meta device
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]

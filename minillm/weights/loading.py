@@ -25,10 +25,10 @@ from pathlib import Path
 
 import gguf
 import torch
-from gguf.quants import dequantize
 
 from minillm.model.devices import default_dtype, pick_device
 from minillm.weights.gguf_file import WeightsError, check_gguf_header, read_gguf
+from minillm.weights.gguf_types import _validate_gguf_layout, _validate_gguf_tensor, gguf_float
 from minillm.weights.hub import REPO_ID, download
 from minillm.model.decoder import CausalLM, ModelConfig, load_weights
 
@@ -39,7 +39,6 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 _GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -153,11 +152,9 @@ def open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]]
 
 
 def gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor), one at a time: dequantized, reshaped, rows in HF order."""
+    """(HF name, float32 tensor), one at a time: dequantized (any of GGUF_TYPES), reshaped, rows in HF order."""
     for name, t in infos:
-        values = dequantize(t.data, t.tensor_type)  # float32, (rows, row length)
-        w = torch.from_numpy(values if values.flags.writeable else values.copy()).reshape(shapes[name])
-        yield name, hf_rows(config, name, w)
+        yield name, hf_rows(config, name, gguf_float(t, shapes[name]))
 
 
 def validate_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> CausalLM:
@@ -334,40 +331,6 @@ def _validate_safetensors_entries(path: Path, header: dict, data_size: int) -> N
         position, previous = end, name
     if position != data_size:
         raise WeightsError(f"{path}: {data_size - position} bytes after the last tensor")
-
-
-def _validate_gguf_tensor(path: Path, reader: gguf.GGUFReader, t: gguf.ReaderTensor, name: str | None,
-                       shape: tuple[int, ...], seen: dict, config: ModelConfig) -> None:
-    """One tensor info against the file: a known name, once; a supported type; whole blocks; its bytes inside the file."""
-    qtype = t.tensor_type.name
-    if name is None:
-        raise WeightsError(f"{path}: tensor {t.name} has no counterpart in minillm's {config.model_type} model")
-    if name in seen:
-        raise WeightsError(f"{path}: tensor {t.name} appears twice")
-    if qtype not in GGUF_TYPES:
-        raise WeightsError(f"{path}: tensor {t.name} has type {qtype}; supported: {', '.join(GGUF_TYPES)}")
-    block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
-    if not shape or min(shape) < 1 or shape[-1] % block:
-        raise WeightsError(f"{path}: tensor {t.name} has dims {shape}; rows must be whole {qtype} blocks of {block}")
-    n_bytes, size = math.prod(shape) // block * block_bytes, path.stat().st_size
-    if int(t.n_bytes) != n_bytes or t.data_offset % reader.alignment or t.data_offset + n_bytes > size:
-        raise WeightsError(
-            f"{path}: tensor {t.name} ({qtype} {shape}) needs {n_bytes} bytes at offset {t.data_offset}, "
-            f"aligned to {reader.alignment}, inside the file's {size} bytes"
-        )
-
-
-def _validate_gguf_layout(path: Path, reader: gguf.GGUFReader, infos: list) -> None:
-    """The tensors' data lies back to back, each padded to the alignment, and nothing follows the last one."""
-    size = path.stat().st_size
-    end, previous, align = int(reader.data_offset), "the start of the data", int(reader.alignment)  # not uint32
-    for begin, n_bytes, name in sorted((t.data_offset, int(t.n_bytes), t.name) for _, t in infos):
-        if begin != end:
-            raise WeightsError(f"{path}: tensor {name} starts at byte {begin}, but {previous} ends at {end} "
-                               f"({'overlap' if begin < end else 'a gap'}: an edited type or offset?)")
-        end, previous = -(-(begin + n_bytes) // align) * align, name  # the next one starts aligned
-    if size - end >= align:  # the last tensor shrank (say F32 relabelled F16): bytes nobody reads
-        raise WeightsError(f"{path}: {size - end} bytes after the last tensor, {previous} (an edited type?)")
 
 
 def _validate_layer_count(config: ModelConfig, shapes: dict, source: str) -> None:

@@ -164,7 +164,7 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert llama_cpp_permute(torch.arange(8)[:, None], 1).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])  # all types: test_gguf_types.py
 def test_quantized_types_dequantize_to_the_quantized_values(qtype, tmp_path):
     model = from_gguf(write_gguf("tiny-qwen3", tmp_path / "m.gguf", qtype))
     config, sd = model.config, model.state_dict()
@@ -211,11 +211,6 @@ def test_gguf_metadata_of_the_wrong_type(tmp_path):
 def test_gguf_rope_scaling_refused(tmp_path):
     with pytest.raises(WeightsError, match="rope scaling 'yarn'"):
         from_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", extra={"llama.rope.scaling.type": "yarn"}))
-
-
-def test_gguf_unsupported_quant_type(tmp_path):
-    with pytest.raises(WeightsError, match=r"type Q5_0; supported: F32, F16, BF16, Q8_0"):
-        from_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", Q.Q5_0))
 
 
 @pytest.mark.parametrize("cut", [10, 200, 5000, -100])
