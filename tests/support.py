@@ -210,3 +210,35 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+WORDS = ["true", "false", "null", "\": ", ", "]  # the tiny tokenizer's merged tokens, built one byte at a time
+
+
+def tokenizer_gguf(path: Path, templates: dict[str, str] = {}) -> Path:  # noqa: B006 (read only)
+    """A GGUF file holding only a small byte-level BPE: the 256 byte tokens, merges that build each of
+    WORDS (so tokens span several bytes), an end token <|end|> and the given chat templates."""
+    import gguf
+
+    from minillm.text.tokenizer import bytes_to_unicode, spell
+
+    tokens, merges = list(bytes_to_unicode().values()), []
+    for word in WORDS:
+        spelled = spell(word.encode())
+        for k in range(2, len(spelled) + 1):
+            if spelled[:k] not in tokens:
+                merges.append(f"{spelled[:k - 1]} {spelled[k - 1]}")
+                tokens.append(spelled[:k])
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([*tokens, "<|end|>"])
+    writer.add_token_types([1] * len(tokens) + [3])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(len(tokens))
+    for name, template in templates.items():
+        writer.add_string("tokenizer.chat_template" + ("" if name == "default" else f".{name}"), template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

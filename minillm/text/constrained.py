@@ -128,6 +128,8 @@ def validate_response_format(response_format) -> tuple[dict, str, str] | None:
 def guidance_grammar(schema: dict, prefix: str, suffix: str, lltokenizer) -> str:
     """llguidance's grammar for JSON following `schema`, with json.dumps' separators, between two fixed
     texts (a Lark grammar around llguidance's %json when there are any); UnsupportedSchema naming the problem."""
+    if not isinstance(schema, dict):  # a boolean schema (true, false): llguidance's compiler panics on it
+        raise UnsupportedSchema(f"a schema must be a JSON object, got {schema!r}")
     try:
         if prefix or suffix:
             body = json.dumps({**schema, "x-guidance": {"item_separator": ", ", "key_separator": ": ",
@@ -137,6 +139,10 @@ def guidance_grammar(schema: dict, prefix: str, suffix: str, lltokenizer) -> str
             grammar = llguidance.JsonCompiler(separators=(", ", ": ")).compile(json.dumps(schema))  # keys in order
     except ValueError as exc:  # llguidance names the keyword or the pointer it could not follow
         raise UnsupportedSchema(f"schema not supported: {exc}") from None
+    except BaseException as exc:  # a panic in llguidance's Rust code is a PanicException, not an Exception
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise UnsupportedSchema(f"schema not supported: llguidance failed on it ({exc})") from None
     error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
     if error:
         raise UnsupportedSchema(f"schema not supported: {error}")
@@ -159,7 +165,7 @@ class Constraints:
     def for_schema(self, schema: dict, prefix: str = "", suffix: str = ""):
         """A fresh constraint for prefix + JSON following `schema` + suffix; UnsupportedSchema or
         ValueError naming what is wrong."""
-        key = json.dumps([schema, prefix, suffix], sort_keys=True)
+        key = json.dumps([schema, prefix, suffix])  # not sorted: the properties' order is the answer's key order
         if self.backend == "minillm":
             if key not in self.compiled:
                 self._vocabulary = self._vocabulary or Vocabulary(self.tokenizer, self.vocab_size)

@@ -2,7 +2,7 @@
 
 """Patterns over bytes, their automata, and the patterns of a JSON schema (constrained decoding, part 1).
 
-Built in notebooks/18_structured_outputs.ipynb. A pattern (`Byte`, `Seq`, `Alt`, `Star`) describes a
+Built in notebooks/18_structured_outputs.ipynb. A pattern (`Byte`, `Seq`, `Alt`, `Star`, `Sep`) describes a
 set of byte strings; Thompson's construction turns it into an NFA (Ken Thompson, "Regular Expression
 Search Algorithm", CACM 1968; Russ Cox, "Regular Expression Matching Can Be Simple And Fast"), and
 subset construction, done lazily, into a DFA whose states are numbered as they are met.
@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import jsonschema
+
 from minillm.utils.validate import is_int
 
 
@@ -45,6 +48,14 @@ class Star:
     """The part repeated zero or more times."""
 
     part: object
+
+
+@dataclass(frozen=True)
+class Sep:
+    """The item once or more, with the separator between: item (sep item)*, with one copy of item."""
+
+    item: object
+    sep: object
 
 
 def lit(text: str) -> Seq:
@@ -103,6 +114,12 @@ class NFA:
             self.empty[start].append(entry)
             self.empty[self._build(p.part, entry)].append(entry)
             return entry
+        if isinstance(p, Sep):  # entry -> item -> end; end -> sep -> back to entry; leave from end
+            entry = self._node()
+            self.empty[start].append(entry)
+            end = self._build(p.item, entry)
+            self.empty[self._build(p.sep, end)].append(entry)
+            return end
         raise TypeError(f"not a pattern: {p!r}")
 
 
@@ -139,6 +156,8 @@ class DFA:
 
     def step(self, state: int, byte: int) -> int:
         key = (state, byte)
+        if state == self.DEAD:  # nothing leaves the dead state (and sets[-1] is another state's set)
+            return self.DEAD
         if key not in self.moves:
             targets = [t for n in self.sets[state] for allowed, t in self.nfa.edges[n] if byte in allowed]
             self.moves[key] = self._state(closure(self.nfa, targets))
@@ -167,9 +186,12 @@ UTF8_CHAR = alt(  # a character of two to four bytes, valid UTF-8 only (no overl
     seq(Byte(frozenset([0xF0])), byte_range(0x90, 0xBF), CONTINUATION, CONTINUATION),
     seq(byte_range(0xF1, 0xF3), CONTINUATION, CONTINUATION, CONTINUATION),
     seq(Byte(frozenset([0xF4])), byte_range(0x80, 0x8F), CONTINUATION, CONTINUATION))
+NOT_SURROGATE = alt(  # four hex digits outside D800-DFFF: one \u escape is then one character, as
+    seq(Byte(frozenset(b"0123456789abcefABCEF")), HEX, HEX, HEX),  # JSON Schema's lengths count them
+    seq(Byte(frozenset(b"dD")), byte_range(0x30, 0x37), HEX, HEX))
 STRING_CHAR = alt(
     Byte(frozenset(range(0x20, 0x80)) - frozenset(b'"\\')),  # printable ASCII but the quote and backslash
-    seq(lit("\\"), alt(Byte(frozenset(b'"\\/bfnrt')), seq(lit("u"), HEX, HEX, HEX, HEX))),
+    seq(lit("\\"), alt(Byte(frozenset(b'"\\/bfnrt')), seq(lit("u"), NOT_SURROGATE))),
     UTF8_CHAR)
 INTEGER = seq(optional(lit("-")), alt(lit("0"), seq(NONZERO, Star(DIGIT))))
 NUMBER = seq(INTEGER, optional(seq(lit("."), DIGIT, Star(DIGIT))),
@@ -194,6 +216,8 @@ def separated(item, min_items: int = 0, max_items: int | None = None) -> Seq | A
     """min_items..max_items copies of `item` with ", " between them."""
     if max_items == 0:
         return Seq(())
+    if max_items is None and min_items <= 1:  # the common case, with one copy of the item
+        return Sep(item, lit(", ")) if min_items else optional(Sep(item, lit(", ")))
     rest = [seq(lit(", "), item)] * max(min_items - 1, 0)
     if max_items is None:
         rest.append(Star(seq(lit(", "), item)))
@@ -284,13 +308,10 @@ def schema_pattern(schema, depth: int = 0):
     if depth > MAX_DEPTH:
         raise UnsupportedSchema(f"schemas nested deeper than {MAX_DEPTH} levels are not supported")
     if "enum" in schema or "const" in schema:
-        values = schema["enum"] if "enum" in schema else [schema["const"]]
-        if not isinstance(values, list) or not values:
-            raise UnsupportedSchema("enum must be a non-empty list")
-        return alt(*(lit(json.dumps(v, ensure_ascii=False)) for v in values))
+        return alt(*(lit(text) for text in _enum_texts(schema)))
     if "anyOf" in schema:
-        if not isinstance(schema["anyOf"], list) or not schema["anyOf"]:
-            raise UnsupportedSchema("anyOf must be a non-empty list of schemas")
+        if not isinstance(schema["anyOf"], list) or not schema["anyOf"] or set(schema) - IGNORED - {"anyOf"}:
+            raise UnsupportedSchema("anyOf must be a non-empty list of schemas, with no other keyword beside it")
         return alt(*(schema_pattern(s, depth) for s in schema["anyOf"]))
     kind = schema.get("type")
     if isinstance(kind, list):
@@ -300,16 +321,18 @@ def schema_pattern(schema, depth: int = 0):
     if kind in SCALARS:
         return SCALARS[kind]
     if kind == "string":
-        return string_pattern(_count(schema, "minLength", 0), _count(schema, "maxLength", None))
+        return string_pattern(*_counts(schema, "minLength", "maxLength"))
     if kind == "array":
         items = schema_pattern(schema.get("items", {"type": ["string", "number", "boolean", "null"]}), depth + 1)
-        return seq(lit("["), separated(items, _count(schema, "minItems", 0), _count(schema, "maxItems", None)), lit("]"))
+        return seq(lit("["), separated(items, *_counts(schema, "minItems", "maxItems")), lit("]"))
     if kind == "object":
         properties, required = schema.get("properties", {}), schema.get("required", [])
         if not isinstance(properties, dict) or not isinstance(required, list) or set(required) - set(properties):
             raise UnsupportedSchema("properties must be an object, and required a list of its names")
         if schema.get("additionalProperties", False) is not False:
             raise UnsupportedSchema("additionalProperties other than false is not supported")
+        if not properties and "additionalProperties" in schema:  # false: no property at all
+            return lit("{}")
         if not properties:
             return alt(lit("{}"), seq(lit("{"), separated(seq(string_pattern(), lit(": "), any_json(depth + 1))), lit("}")))
         return seq(lit("{"), properties_pattern(properties, required, depth), lit("}"))
@@ -330,3 +353,27 @@ def _count(schema: dict, key: str, default):
     if value is not default and not (is_int(value) and 0 <= value <= 64):
         raise UnsupportedSchema(f"{key} must be an int from 0 to 64, got {value!r}")
     return value
+
+
+def _counts(schema: dict, low: str, high: str) -> tuple[int, int | None]:
+    """(minimum, maximum or None) of a pair of counts (minLength/maxLength, minItems/maxItems); a
+    schema whose minimum passes its maximum accepts nothing, and is refused rather than compiled."""
+    lo, hi = _count(schema, low, 0), _count(schema, high, None)
+    if hi is not None and lo > hi:
+        raise UnsupportedSchema(f"{low} {lo} is above {high} {hi}: no value is valid")
+    return lo, hi
+
+
+def _enum_texts(schema: dict) -> list[str]:
+    """The JSON texts of an enum's (or a const's) values that also pass the schema's other keywords
+    (its type, bounds, lengths): each value is checked by jsonschema, the reference validator."""
+    values = schema["enum"] if "enum" in schema else [schema["const"]]
+    if not isinstance(values, list) or not values:
+        raise UnsupportedSchema("enum must be a non-empty list")
+    rest = jsonschema.Draft202012Validator({k: v for k, v in schema.items() if k not in ("enum", "const")})
+    texts = [json.dumps(v, ensure_ascii=False) for v in values if rest.is_valid(v)]
+    if not texts:
+        raise UnsupportedSchema("no value of the enum passes the schema's other keywords: no value is valid")
+    if any(not t.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in t) for t in texts):
+        raise UnsupportedSchema("an enum value holds a lone surrogate, which is not valid UTF-8")
+    return texts

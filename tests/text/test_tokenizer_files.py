@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from support import DATA, ROOT
+from support import DATA, ROOT, tokenizer_gguf
 from minillm.text.tokenizer import Tokenizer
 from minillm.weights.embedded import embedded_gguf_path
 
@@ -132,25 +132,6 @@ def test_the_cli_names_a_malformed_generation_config_without_a_traceback(tmp_pat
     assert run.returncode != 0
     assert "Traceback" not in run.stderr, run.stderr[-2000:]
     assert f"{tmp_path / 'generation_config.json'}: must hold a JSON object" in run.stderr
-
-
-def tokenizer_gguf(path, templates: dict[str, str]):
-    """A GGUF file holding only a tokenizer (the 256 byte tokens and one merge) and the given templates."""
-    import gguf
-
-    from minillm.text.tokenizer import bytes_to_unicode
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([*bytes_to_unicode().values(), "ab"])
-    writer.add_token_merges(["a b"])
-    for name, template in templates.items():
-        writer.add_string("tokenizer.chat_template" + ("" if name == "default" else f".{name}"), template)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def test_a_gguf_files_named_templates_are_read(tmp_path):
