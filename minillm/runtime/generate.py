@@ -22,7 +22,7 @@ from minillm.text.constrained import apply_constraints
 from minillm.model.devices import peak_memory_mib, reset_peak_memory, synchronized_time
 from minillm.cache.dense import make_cache
 from minillm.model.decoder import CausalLM
-from minillm.runtime.sampling import SamplingParams, make_generator, sample
+from minillm.runtime.sampling import SamplingParams, make_generator, sample, validate_logit_bias
 from minillm.text.tokenizer import StreamDecoder, Tokenizer
 from minillm.utils.validate import is_positive_int
 
@@ -119,9 +119,11 @@ def generation_metrics(prompt_tokens: int, generated: int, start: float, prefill
     )
 
 
-def validate_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int, vocab_size: int) -> list[int]:
-    """The one check of a request's prompt and length, for `stream`, `generate_batch` and the engine:
-    the ids as a list of ints, or ValueError naming what is wrong and the numbers involved."""
+def validate_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int, vocab_size: int,
+                    params: SamplingParams | None = None) -> list[int]:
+    """The one check of a request's prompt, length and logit_bias ids, for `stream`, `generate_batch` and
+    the engine: the ids as a list of ints, or ValueError naming what is wrong and the numbers involved."""
+    validate_logit_bias(params, vocab_size)  # notebook 09: SamplingParams checked the rest of logit_bias
     if not is_positive_int(max_new_tokens):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     ids = [operator.index(i) for i in prompt_ids]  # TypeError for floats and strings
@@ -166,7 +168,7 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
-    prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size)
+    prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size, params)
     eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
     text_stream = TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
     total = min(len(prompt_ids) + max_new_tokens, context)  # the cache never needs more
@@ -224,7 +226,7 @@ def generate_batch(
 ) -> list[list[int]]:
     """Generated ids for each prompt, as one left-padded batch; constraints: one per row or None, as stream's."""
     device = next(model.parameters()).device
-    prompts = [validate_prompt(p, max_new_tokens, model.config.max_position_embeddings, model.config.vocab_size)
+    prompts = [validate_prompt(p, max_new_tokens, model.config.max_position_embeddings, model.config.vocab_size, params)
                for p in prompts]
     B, T = len(prompts), max(len(p) for p in prompts)
     eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)

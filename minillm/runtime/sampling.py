@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from minillm.model.devices import on_host
-from minillm.utils.validate import is_int, is_number
+from minillm.utils.validate import is_int, is_number, shown
 
 
 def _validate_logits(logits: torch.Tensor, name: str = "logits") -> None:
@@ -172,6 +172,14 @@ def _validate_penalty_args(B: int, token_ids, repetition_penalty, presence_penal
         _check("prompt_lengths", f"{len(prompt_lengths)} entries", len(prompt_lengths) == B, f"one per row ({B})")
 
 
+def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """OpenAI's logit_bias: values (K,) added to columns ids (K,) of every row of (B, V) logits, in one
+    tensor op. -inf stays -inf (a removed token is not brought back); ids are checked at the boundary."""
+    _validate_logits(logits)
+    bias = values.to(logits.dtype)[None].expand(logits.shape[0], -1)  # (B, K)
+    return logits.index_add(-1, ids, bias)
+
+
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy
 
 
@@ -189,9 +197,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # return the top-n logprobs per token
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100]; kept as sorted pairs
 
     def __post_init__(self):
         _validate_params(self)
+        _freeze_bias(self)  # the dict becomes a hashable tuple of pairs, and two tensors (Plumbing, below)
+
+    def bias_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (K,) ids and (K,) values on `device`: made at validation, copied once per device."""
+        if device not in self._bias:
+            ids, values = self._bias["cpu"]
+            self._bias[device] = (ids.to(device), values.to(device))
+        return self._bias[device]
 
     @property
     def greedy(self) -> bool:
@@ -215,6 +232,46 @@ def _validate_params(params: SamplingParams) -> None:
            "an int in [-2**63, 2**64) or None (what torch.Generator takes)")
     _check("logprobs", params.logprobs, params.logprobs is None or (is_int(params.logprobs) and params.logprobs >= 0),
            "an int >= 0 or None")
+    _validate_bias(params.logit_bias)
+
+
+def _bias_pairs(bias) -> list[tuple]:
+    """logit_bias's (id, bias) pairs, from a dict or from the sorted pairs a SamplingParams keeps."""
+    if isinstance(bias, Mapping):
+        return list(bias.items())
+    pairs = list(bias) if isinstance(bias, (list, tuple)) else None
+    if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise ValueError(f"logit_bias must be a dict {{token id: bias}} or None, got {shown(bias)}")
+    return pairs
+
+
+def _validate_bias(bias) -> None:
+    """Each logit_bias key a token id (an int >= 0; a JSON client's "504" is the server's to convert),
+    each value a number in [-100, 100] (OpenAI's range). The vocabulary's end: validate_logit_bias."""
+    if bias is None:
+        return
+    pairs = _bias_pairs(bias)
+    for token, value in pairs:
+        _check("logit_bias key", token, is_int(token) and token >= 0, "a token id (an int >= 0)")
+        _check(f"logit_bias[{token}]", value, _is_real(value) and -100 <= value <= 100, "a number in [-100, 100]")
+    _check("logit_bias", shown(bias), len({t for t, _ in pairs}) == len(pairs), "without a repeated token id")
+
+
+def _freeze_bias(params: SamplingParams) -> None:
+    """A validated logit_bias as sorted (id, bias) pairs, None when empty: hashable, so that equal
+    requests still share one sampling call; and its ids and values as tensors, built once, here."""
+    pairs = tuple(sorted((int(t), float(b)) for t, b in _bias_pairs(params.logit_bias or {})))
+    object.__setattr__(params, "logit_bias", pairs or None)
+    ids, values = (torch.tensor([t for t, _ in pairs], dtype=torch.long), torch.tensor([b for _, b in pairs]))
+    object.__setattr__(params, "_bias", {"cpu": (ids, values)})  # not a field: neither compared nor hashed
+
+
+def validate_logit_bias(params: SamplingParams | None, vocab_size: int) -> None:
+    """At a request's boundary (stream, generate_batch, the engine): every logit_bias id inside the
+    model's vocabulary, which SamplingParams cannot know. Its pairs are sorted: the last is the largest."""
+    if params is not None and params.logit_bias and params.logit_bias[-1][0] >= vocab_size:
+        raise ValueError(f"logit_bias token id {params.logit_bias[-1][0]} is out of range: "
+                         f"the model's vocabulary has {vocab_size} ids")
 
 
 def process_logits(
@@ -223,12 +280,14 @@ def process_logits(
     token_ids: Sequence[Sequence[int]] | None = None,
     prompt_lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """(B, V) logits -> (B, V) logits to sample from, in transformers' order:
-    penalties (only when token_ids is given), temperature, top-k, top-p, min-p, typical.
+    """(B, V) logits -> (B, V) logits to sample from: logit_bias (first, as vLLM), then transformers'
+    order: penalties (only when token_ids is given), temperature, top-k, top-p, min-p, typical.
     Greedy (temperature 0) keeps only the argmax of the penalised logits."""
     _validate_logits(logits)
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, *params.bias_tensors(logits.device))
     penalised = params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
     if penalised and token_ids is not None:
         logits = apply_penalties(logits, token_ids, params.repetition_penalty, params.presence_penalty,

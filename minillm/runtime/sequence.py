@@ -67,7 +67,7 @@ def validate_request(tokenizer: Tokenizer, context: int, vocab_size: int, prompt
                   params: SamplingParams | None = None, max_new_tokens: int = 256, stop: Seq[str] = (),
                   eos_token_ids: Seq[int] | None = None) -> tuple[list[int], SamplingParams, TextStream]:
     """A request's checked prompt, its parameters (default greedy) and its TextStream; ValueError if bad."""
-    prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, vocab_size)
+    prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, vocab_size, params)
     params = params or SamplingParams(temperature=0)
     eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
     return prompt_ids, params, TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
