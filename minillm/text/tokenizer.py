@@ -5,7 +5,8 @@
 Built in notebooks/07_tokenizer.ipynb. The BPE runs in Hugging Face `tokenizers` (Rust); this
 module assembles its vocabulary, merges, pre-tokenizer and special tokens from what a model ships
 (a GGUF file's metadata, a `tokenizer.json` folder, or Qwen's `qwen.tiktoken` ranks), renders
-chat templates in jinja2's sandbox, and turns a stream of token ids into whole characters.
+chat templates in jinja2's sandbox, and turns a stream of token ids into whole characters. A GGUF
+file's SentencePiece vocabulary (Llama 1/2, Mistral, Phi-3) is built by minillm/text/sentencepiece.py.
 
 References:
 - Sennrich, Haddow, Birch: Neural Machine Translation of Rare Words with Subword Units
@@ -29,6 +30,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from minillm.text.chat_template import render_chat
+from minillm.text.sentencepiece import (FirstSpaceDropped, gguf_scores, gguf_space_prefix, piece_bytes,
+                                        sentencepiece_backend, sentencepiece_flags, sentencepiece_text)
 from minillm.text.tokenizer_files import (config_token, folder_templates, generation_eos_ids, gguf_templates,
                                           template_named)
 from minillm.utils.files import read_json_object
@@ -87,9 +90,10 @@ def split_pre_tokenizer(pattern: str) -> pre_tokenizers.PreTokenizer:
 
 
 # GGUF `tokenizer.ggml.pre` -> pre-tokenizer (llama.cpp's names). SmolLM2 ("smollm"): single
-# digits, then GPT-2's regex, as in its tokenizer.json and llama.cpp.
+# digits, then GPT-2's regex, as in its tokenizer.json and llama.cpp. GPT-2's own file says "gpt-2".
 PRE_TOKENIZERS = {
     "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     "smollm": lambda: pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
@@ -97,6 +101,8 @@ PRE_TOKENIZERS = {
     "qwen2": lambda: split_pre_tokenizer(QWEN_PATTERN),
     "llama-bpe": lambda: split_pre_tokenizer(LLAMA3_PATTERN),
 }
+# llama.cpp's ignore_merges: a piece found whole in the vocabulary is one token (Llama 3; the vocab tests section)
+IGNORE_MERGES = {"llama-bpe"}
 
 
 def bpe(piece: bytes, ranks: dict[bytes, int], max_rank: int | None = None) -> list[bytes]:
@@ -160,9 +166,11 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def _backend(vocab: dict[str, int], merges: list[tuple[str, str]], pre_tokenizer, normalizer=None) -> BackendTokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` from a vocabulary and merges in the byte alphabet."""
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges))
+def _backend(vocab: dict[str, int], merges: list[tuple[str, str]], pre_tokenizer, normalizer=None,
+             ignore_merges: bool = False) -> BackendTokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` from a vocabulary and merges in the byte alphabet
+    (`ignore_merges`: a piece that is a token stays whole, as tiktoken does)."""
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     if normalizer is not None:
         backend.normalizer = normalizer
     backend.pre_tokenizer = pre_tokenizer
@@ -210,10 +218,12 @@ def _validate_ids(ids: Iterable[int], vocab_size: int, source: str) -> list[int]
 
 
 class _ByteLevelBPE:
-    """Text <-> token ids through a byte-level BPE `tokenizers.Tokenizer` (the backend)."""
+    """Text <-> token ids through a byte-level BPE `tokenizers.Tokenizer` (the backend), or a SentencePiece one."""
 
-    def __init__(self, backend: BackendTokenizer, source: str = "tokenizer"):
+    def __init__(self, backend: BackendTokenizer, source: str = "tokenizer", sentencepiece: bool = False,
+                 space_prefix: bool = False):
         self.backend, self.source = backend, source
+        self.sentencepiece, self.space_prefix = sentencepiece, space_prefix  # SentencePiece: '▁' tokens; one in front
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.special_ids = _special_ids(backend)
 
@@ -228,11 +238,14 @@ class _ByteLevelBPE:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
-        return self.backend.decode(self.validate_ids(ids), skip_special_tokens=skip_special_tokens)
+        ids = self.validate_ids(ids)
+        if self.sentencepiece:  # all the bytes through one UTF-8 decoder, as StreamDecoder reads them
+            return sentencepiece_text(self.backend, ids, self.special_ids if skip_special_tokens else (), self.space_prefix)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (an added token: its text in UTF-8)."""
-        return unspell(self.id_to_token(token_id))
+        """The bytes one token stands for (an added token: its text in UTF-8; SentencePiece: '▁' is a space)."""
+        return (piece_bytes if self.sentencepiece else unspell)(self.id_to_token(token_id))
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token written as in the vocabulary ('Ġthe', '<|im_end|>'), or None."""
@@ -281,8 +294,8 @@ class Tokenizer(_ByteLevelBPE):
 
     def __init__(self, backend: BackendTokenizer, *, chat_template: str | dict[str, str] | None = None,
                  bos_token: str | None = None, eos_token: str | None = None, eos_token_ids: Iterable[int] = (),
-                 source: str = "tokenizer"):
-        super().__init__(backend, source)  # chat_template: one template, or several by name ({"default": ...})
+                 source: str = "tokenizer", sentencepiece: bool = False, space_prefix: bool = False):
+        super().__init__(backend, source, sentencepiece, space_prefix)  # chat_template: one, or several by name
         templates = chat_template if isinstance(chat_template, dict) else {"default": chat_template}
         self.chat_templates = {name: text for name, text in templates.items() if text is not None}
         self.chat_template = self.chat_templates.get("default")
@@ -316,7 +329,7 @@ class Tokenizer(_ByteLevelBPE):
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The byte-level BPE tokenizer ('gpt2' model) stored in a GGUF file's metadata."""
+        """The tokenizer stored in a GGUF file's metadata: byte-level BPE ('gpt2') or SentencePiece ('llama')."""
         return cls(**_gguf_parts(Path(path)))
 
     @classmethod
@@ -326,20 +339,21 @@ class Tokenizer(_ByteLevelBPE):
 
 
 def _gguf_tokenizer_meta(path: Path) -> dict[str, Any]:
-    """A GGUF file's `tokenizer.*` metadata, checked: a byte-level BPE ('gpt2') with tokens, merges
-    and a pre-tokenizer we know; ValueError naming the file and the key otherwise."""
+    """A GGUF file's `tokenizer.*` metadata, checked: byte-level BPE ('gpt2': tokens, merges, a pre-tokenizer
+    we know) or SentencePiece ('llama': tokens, scores); ValueError naming the file and the key otherwise."""
     try:
         meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
     except (UnicodeDecodeError, IndexError, TypeError) as exc:  # the values are decoded here, not when opened
         raise ValueError(f"{path}: tokenizer metadata is unreadable ({type(exc).__name__}: {exc})") from None
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE) and "
+                         "'llama' (SentencePiece)")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges" if kind == "gpt2" else "tokenizer.ggml.scores"):
         if not isinstance(meta.get(key), list):
             raise ValueError(f"{path}: missing {key}")
     pre = meta.get("tokenizer.ggml.pre", "gpt2")
-    if pre not in PRE_TOKENIZERS:
+    if kind == "gpt2" and pre not in PRE_TOKENIZERS:
         raise ValueError(
             f"{path}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
     return meta
@@ -356,7 +370,7 @@ def _gguf_merges(meta: dict[str, Any], path: Path) -> list[tuple[str, ...]]:
 def _gguf_backend(vocab: dict[str, int], merges: list, pre: str, path: Path) -> BackendTokenizer:
     """_backend, with a ValueError naming the file when the merges do not fit the vocabulary."""
     try:
-        return _backend(vocab, merges, PRE_TOKENIZERS[pre]())
+        return _backend(vocab, merges, PRE_TOKENIZERS[pre](), ignore_merges=pre in IGNORE_MERGES)
     except Exception as exc:  # the tokenizers library raises a bare Exception on a merge of unknown tokens
         raise ValueError(f"{path}: tokenizer.ggml.merges does not fit the vocabulary ({exc})") from None
 
@@ -372,10 +386,14 @@ def _gguf_token(meta: dict[str, Any], key: str, path: Path) -> str | None:
 def _gguf_parts(path: Path) -> dict[str, Any]:
     """Tokenizer's arguments from a GGUF file's metadata (llama.cpp's `tokenizer.ggml.*` keys)."""
     meta = _gguf_tokenizer_meta(path)
-    tokens = meta["tokenizer.ggml.tokens"]
-    alphabet = set(CHAR_TO_BYTE)  # a token written plainly (not in the byte alphabet) is spelled into it
-    vocab = {(t if set(t) <= alphabet else spell(t.encode("utf-8"))): i for i, t in enumerate(tokens)}
-    backend = _gguf_backend(vocab, _gguf_merges(meta, path), meta.get("tokenizer.ggml.pre", "gpt2"), path)
+    tokens, spm = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.model"] == "llama"
+    unk, space_prefix = _gguf_token(meta, "unknown_token_id", path), spm and gguf_space_prefix(meta, path)
+    if spm:  # SentencePiece: Llama 1/2, Mistral, Phi-3 (its section below)
+        backend = sentencepiece_backend(tokens, gguf_scores(meta, path), space_prefix, unk)
+    else:
+        alphabet = set(CHAR_TO_BYTE)  # a token written plainly (not in the byte alphabet) is spelled into it
+        vocab = {(t if set(t) <= alphabet else spell(t.encode("utf-8"))): i for i, t in enumerate(tokens)}
+        backend = _gguf_backend(vocab, _gguf_merges(meta, path), meta.get("tokenizer.ggml.pre", "gpt2"), path)
     # token_type 3 = control (special, skipped by skip_special_tokens), 4 = user-defined (matched whole)
     types = meta.get("tokenizer.ggml.token_type") or []
     _add_tokens(backend, special=[t for t, k in zip(tokens, types) if k == 3],
@@ -383,7 +401,7 @@ def _gguf_parts(path: Path) -> dict[str, Any]:
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     return dict(backend=backend, chat_template=gguf_templates(meta, path),
                 bos_token=_gguf_token(meta, "bos_token_id", path), eos_token=_gguf_token(meta, "eos_token_id", path),
-                eos_token_ids=eos, source=str(path))
+                eos_token_ids=eos, source=str(path), sentencepiece=spm, space_prefix=space_prefix)
 
 
 def _folder_parts(folder: Path) -> dict[str, Any]:
@@ -405,7 +423,7 @@ def _folder_parts(folder: Path) -> dict[str, Any]:
     eos_ids += generation_eos_ids(folder / "generation_config.json")
     return dict(backend=backend, chat_template=folder_templates(folder, config), source=str(folder),
                 bos_token=config_token(config, "bos_token", config_path), eos_token=eos_token,
-                eos_token_ids=[i for i in eos_ids if i is not None])
+                eos_token_ids=[i for i in eos_ids if i is not None], **sentencepiece_flags(backend))
 
 
 class StreamDecoder:
@@ -417,6 +435,7 @@ class StreamDecoder:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._utf8 = FirstSpaceDropped(self._utf8) if getattr(tokenizer, "space_prefix", False) else self._utf8
 
     def push(self, token_id: int) -> str:
         """The text completed by this token ('' while a character is still incomplete)."""
