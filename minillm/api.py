@@ -18,7 +18,7 @@ from minillm.text.constrained import Constraints
 from minillm.model.devices import parse_device, parse_dtype
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.speed.fast import FastCausalLM
-from minillm.runtime.generate import Completion, Step, collect, stream
+from minillm.runtime.generate import Completion, PromptLogprobs, Step, collect, prompt_logprobs, stream
 from minillm.weights.hub import download
 from minillm.weights.lora import merge_adapter, read_adapter
 from minillm.model.decoder import CausalLM
@@ -33,7 +33,16 @@ from minillm.weights.loading import gguf_architecture, load_model
 from minillm.utils.validate import is_int
 
 
-class LLM:
+class PromptScoring:
+    """LLM's scoring half: the prompt's own logprobs (prompt_logprobs, above), for evaluations and echo."""
+
+    def prompt_logprobs(self, prompt, top_logprobs: int | None = None) -> PromptLogprobs:
+        """Each token's logprob given those before it, for text (str) or token ids: one prefill."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return prompt_logprobs(self.model, ids, top_logprobs)
+
+
+class LLM(PromptScoring):
     """A model and its tokenizer, with chat, generate and stream in a line each."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer):

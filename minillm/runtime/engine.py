@@ -38,7 +38,8 @@ from minillm.cache.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, val
 from minillm.cache.paged import BlockManager, PagedView, batch_layout, cache_computed, make_paged_cache
 from minillm.runtime.sampling import SamplingParams, make_generator, sample
 from minillm.runtime.sequence import (FINISHED, PREFILLING, RUNNING, WAITING, Output, Sequence, validate_chunk,
-                                      validate_request, never_fits)
+                                      validate_request, never_fits, prompt_columns, record_prompt_logprobs,
+                                      take_prompt_logprobs, validate_prompt_logprobs)
 from minillm.text.tokenizer import Tokenizer
 from minillm.utils.validate import is_positive_int
 
@@ -52,7 +53,7 @@ def admit(manager: BlockManager, waiting: deque[Sequence], running: list[Sequenc
     fresh: set[int] = set()  # blocks newly given out in this call: their keys exist only after this step's prefill
     while waiting and len(running) < max_num_seqs:
         seq = waiting[0]
-        ids, salt = seq.token_ids, seq.lora or None  # an adapter's keys and values are its own (notebook 19)
+        ids, salt = seq.token_ids, seq.cache_salt  # an adapter's own keys (nb 19); a scored prompt shares none
         if manager.blocks_needed(len(ids) + 1) > manager.num_blocks or len(ids) >= max_model_len:
             waiting.popleft()
             rejected.append(seq)
@@ -237,9 +238,10 @@ def forward_packed(model: CausalLM, cache: list, manager: BlockManager, batch: l
     paged = bool(decoding) and paged_step(attention, model, manager, [s.id for s in decoding], 1)
     layout = packed_layout(manager, [(s.id, s.num_computed, n) for s, n in chunks], [s.id for s in decoding],
                            cache[0].k.shape[0], device, paged)
+    keep, rows = prompt_columns(chunks, layout.ends)  # a scored prompt's chunk keeps every column (nb 10)
     logits = model(torch.tensor([ids], device=device), positions=layout.positions,
-                   cache=[PackedView(c, layout) for c in cache], logits_to_keep=layout.ends)  # (1, rows, V)
-    return logits[0]
+                   cache=[PackedView(c, layout) for c in cache], logits_to_keep=keep)  # (1, kept, V)
+    return record_prompt_logprobs(chunks, logits[0], rows)  # (rows, V)
 
 
 def forward_step(model: CausalLM, cache: list, manager: BlockManager, batch: list[tuple[Sequence, int]],
@@ -284,6 +286,7 @@ def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
         out = advance(seq, token)
         out.logprob = float(pick.logprobs[b])
         out.top_logprobs = pick.top_logprobs[b] if pick.top_logprobs else None
+        out.prompt_logprobs = take_prompt_logprobs(seq)  # the first token brings the prompt's scores, if asked
         outputs.append(out)
     return outputs
 
@@ -314,9 +317,10 @@ def choice_params(params: SamplingParams | None, n: int) -> list[SamplingParams 
     return [replace(params, seed=params.seed + i) for i in range(n)]
 
 
-def with_forks(choices: list[Sequence]) -> Sequence:
-    """A request of n choices: the first, with the other n - 1 waiting in its `forks` for its prefill."""
-    choices[0].forks = choices[1:]
+def with_forks(choices: list[Sequence], prompt_logprobs: int | None = None) -> Sequence:
+    """A request of n choices: the first, with the other n - 1 waiting in its `forks` for its prefill;
+    the first alone scores the prompt when prompt_logprobs asks (the others share its prefill)."""
+    choices[0].forks, choices[0].prompt_logprobs = choices[1:], validate_prompt_logprobs(prompt_logprobs, choices[0].lora)
     return choices[0]
 
 
@@ -405,7 +409,7 @@ class Engine(EngineCore):
 
     def make_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
                      stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1,
-                     response_format=None, adapter: str | None = None) -> Sequence:  # nb 18, nb 19 (a LoRA's name)
+                     response_format=None, adapter: str | None = None, prompt_logprobs: int | None = None) -> Sequence:
         """A checked request of n choices, not yet queued (no engine state touched: any thread may call it)."""
         def choice(params: SamplingParams | None) -> Sequence:
             ids, params, text = validate_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
@@ -413,7 +417,7 @@ class Engine(EngineCore):
             return Sequence(next(self._ids), ids, params, text, make_generator(params.seed, self.device),
                             constraint=self.constraints.for_format(response_format),  # nb 18: one per choice
                             lora=adapter_index(self.model, adapter))  # nb 19: 0, or its adapter's index
-        return with_forks([choice(p) for p in choice_params(params, n)])
+        return with_forks([choice(p) for p in choice_params(params, n)], prompt_logprobs)
 
     def submit(self, seq: Sequence) -> int:
         """Queue a request made by make_request (its forks join after its prefill); returns its id."""

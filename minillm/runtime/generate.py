@@ -24,7 +24,7 @@ from minillm.cache.dense import make_cache
 from minillm.model.decoder import CausalLM
 from minillm.runtime.sampling import SamplingParams, make_generator, sample, validate_logit_bias
 from minillm.text.tokenizer import StreamDecoder, Tokenizer
-from minillm.utils.validate import is_positive_int
+from minillm.utils.validate import is_int, is_positive_int
 
 
 class StopStrings:
@@ -254,3 +254,40 @@ def generate_batch(
             break
         logits = model(tokens[:, None], attention_mask=mask[:, : pos + 1], cache=cache, start_pos=pos)[:, -1]
     return out
+
+
+@dataclass
+class PromptLogprobs:
+    """logprobs[i]: log P(token_ids[i] | token_ids[:i]), None for the first (nothing predicts it);
+    top_logprobs[i]: the n most likely [(id, logprob)] there, when asked (None for the first)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+def score_tokens(logits: torch.Tensor, targets: Sequence[int], top: int | None = None) -> list[tuple]:
+    """(logprob of targets[t] under row t of (T, V) logits, its top-n [(id, logprob)] or None) per row."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (T, V)
+    chosen = logp.gather(-1, torch.tensor(list(targets), device=logp.device)[:, None])[:, 0].tolist()  # (T,)
+    if top is None:
+        return [(c, None) for c in chosen]
+    values, indices = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)  # (T, n)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, indices.tolist(), values.tolist())]
+
+
+def as_prompt_logprobs(token_ids: list[int], scores: list[tuple], top: int | None) -> PromptLogprobs:
+    """score_tokens' pairs for tokens 1.. as a PromptLogprobs of the whole prompt (the first: None)."""
+    return PromptLogprobs(token_ids, [None] + [lp for lp, _ in scores],
+                          None if top is None else [None] + [alternatives for _, alternatives in scores])
+
+
+@torch.no_grad()
+def prompt_logprobs(model: CausalLM, prompt_ids: Sequence[int], top_logprobs: int | None = None) -> PromptLogprobs:
+    """Each prompt token's logprob given the tokens before it, from one prefill keeping every position."""
+    if top_logprobs is not None and not (is_int(top_logprobs) and top_logprobs >= 0):
+        raise ValueError(f"top_logprobs must be an int >= 0 or None, got {top_logprobs!r}")
+    context = model.config.max_position_embeddings  # scoring generates nothing: the whole context may be prompt
+    ids = validate_prompt(prompt_ids, 1, context + 1, model.config.vocab_size)
+    logits = model(torch.tensor([ids], device=next(model.parameters()).device))[0]  # (T, V): every position
+    return as_prompt_logprobs(ids, score_tokens(logits[:-1], ids[1:], top_logprobs), top_logprobs)

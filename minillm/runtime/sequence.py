@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.runtime.generate import TextStream, validate_prompt
+from minillm.runtime.generate import PromptLogprobs, TextStream, as_prompt_logprobs, score_tokens, validate_prompt
 from minillm.cache.paged import BlockManager
 from minillm.runtime.sampling import SamplingParams
 from minillm.text.tokenizer import Tokenizer
@@ -42,10 +42,18 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for this one's prefill
     constraint: object | None = None  # structured outputs (notebook 18): masks its logits, reads its tokens
     lora: int = 0  # its LoRA adapter's index in the model (notebook 19), 0: none
+    prompt_logprobs: int | None = None  # score the prompt (nb 10), with this many alternatives; None: no
+    prompt_scores: dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top), as computed
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_salt(self):
+        """Heads its prefix-cache keys: an adapter's keys and values are its own (nb 19); a prompt being
+        scored shares no prefix, since every position's logits must be computed."""
+        return ("scored", self.id) if self.prompt_logprobs is not None else self.lora or None
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Output:
     error: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked (nb 10)
 
 
 def validate_request(tokenizer: Tokenizer, context: int, vocab_size: int, prompt_ids: Seq[int],
@@ -86,3 +95,51 @@ def never_fits(manager: BlockManager, seq: Sequence, max_model_len: int) -> str:
     blocks = manager.blocks_needed(len(seq.token_ids) + 1)
     return (f"request of {len(seq.token_ids)} tokens needs {blocks} KV blocks "
             f"(context {max_model_len}); the pool has {manager.num_blocks}")
+
+
+def validate_prompt_logprobs(prompt_logprobs: int | None, lora: int) -> int | None:
+    """A request's prompt_logprobs: None (off) or the number of alternatives per position, an int >= 0."""
+    if prompt_logprobs is not None and not (is_int(prompt_logprobs) and prompt_logprobs >= 0):
+        raise ValueError(f"prompt_logprobs must be an int >= 0 or None, got {prompt_logprobs!r}")
+    if prompt_logprobs is not None and lora:
+        raise ValueError("prompt_logprobs with a LoRA adapter is not supported: its padded forward keeps one position")
+    return prompt_logprobs
+
+
+def prompt_columns(chunks: list[tuple[Sequence, int]], ends: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """The packed forward's columns to keep: each row's last (ends), and every column of a prompt chunk
+    being scored. Returns (columns, where each row's last sits among them), or (ends, None) if none is."""
+    if all(s.prompt_logprobs is None for s, _ in chunks):
+        return ends, None
+    keep, rows, start = [], [], 0  # chunks fill the first columns in order, then one per decode row
+    for s, n in chunks:
+        keep += range(start, start + n) if s.prompt_logprobs is not None else [start + n - 1]
+        rows.append(len(keep) - 1)
+        start += n
+    decode = range(start, start + len(ends) - len(chunks))
+    rows += range(len(keep), len(keep) + len(decode))
+    return torch.tensor(keep + list(decode), device=ends.device), rows
+
+
+def record_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    """Score the prompt tokens each scored chunk predicts (column p predicts token p + 1); returns the
+    rows' last logits (rows, V), to sample from. Called before advance_prefill: num_computed is the chunk's start."""
+    if rows is None:
+        return logits
+    column = 0
+    for s, n in chunks:
+        if s.prompt_logprobs is not None:
+            targets = s.prompt_ids[s.num_computed + 1 : s.num_computed + n + 1]  # the last chunk predicts one fewer
+            scores = score_tokens(logits[column : column + len(targets)], targets, s.prompt_logprobs)
+            s.prompt_scores.update(zip(range(s.num_computed + 1, s.num_computed + 1 + len(targets)), scores))
+        column += n if s.prompt_logprobs is not None else 1
+    return logits[rows]
+
+
+def take_prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
+    """With a scored request's first token: its PromptLogprobs, once (a recompute after preemption scores nothing)."""
+    if seq.prompt_logprobs is None:
+        return None
+    scores, top, seq.prompt_logprobs = seq.prompt_scores, seq.prompt_logprobs, None
+    seq.prompt_scores = {}
+    return as_prompt_logprobs(seq.prompt_ids, [scores[p] for p in range(1, len(seq.prompt_ids))], top)
