@@ -73,12 +73,12 @@ class LLM(PromptScoring):
         return collect(self._steps(self.tokenizer.encode(prompt), params, speculative, **kwargs))
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, speculative=None,
-             tools: list[dict] | None = None, tool_choice=None, **kwargs) -> Completion:
-        """Answer chat messages ([{"role": "user", "content": ...}, ...]) through the chat template.
-        response_format= (also generate, stream), tools and tool_choice: OpenAI's (notebook 18)."""
+             tools: list[dict] | None = None, tool_choice=None, template_name: str | None = None, **kwargs) -> Completion:
+        """Answer [{"role", "content"}, ...] by the chat template, or the one named; tools: notebook 18."""
         if tools is not None or tool_choice is not None:
-            return chat_with_tools(self, messages, params, speculative, tools, tool_choice, **kwargs)
-        return collect(self._steps(self.encode_chat(messages), params, speculative, **kwargs))
+            return chat_with_tools(self, messages, params, speculative, tools, tool_choice, template_name, **kwargs)
+        ids = self.encode_chat(messages, template_name=template_name)
+        return collect(self._steps(ids, params, speculative, **kwargs))
 
     def stream(self, prompt_or_messages, params: SamplingParams | None = None, speculative=None,
                **kwargs) -> Iterator[str]:
@@ -103,14 +103,15 @@ def make_drafter(model, speculative):
     return ModelDrafter(speculative.model) if isinstance(speculative, LLM) else speculative
 
 
-def chat_with_tools(llm: LLM, messages: Sequence[dict], params, speculative, tools, tool_choice, **kwargs) -> Completion:
+def chat_with_tools(llm: LLM, messages: Sequence[dict], params, speculative, tools, tool_choice, template_name=None,
+                    **kwargs) -> Completion:
     """LLM.chat offering tools: a required call (tool_choice "required" or a named function) is
     forced by a grammar; the calls are returned in tool_calls, the other text as the text."""
     tools, choice = validate_tools(tools, tool_choice)
     forced = call_format(tools, choice)
     if forced is not None and kwargs.get("response_format") is not None:
         raise ValueError("response_format cannot be combined with a required tool_choice")
-    ids = encode_with_tools(llm.tokenizer, list(messages), tools if choice != "none" else [])
+    ids = encode_with_tools(llm.tokenizer, list(messages), tools if choice != "none" else [], template_name)
     completion = collect(llm._steps(ids, params, speculative, **{**kwargs, "response_format": forced or
                                                                    kwargs.get("response_format")}))
     if choice != "none":

@@ -308,9 +308,8 @@ class Tokenizer(_ByteLevelBPE):
     def chat_text(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                   template_name: str | None = None, **kwargs: Any) -> str:
         """The chat rendered by the template named, else 'tool_use' given tools (as transformers), else the default."""
-        if template_name is None and kwargs.get("tools") and "tool_use" in self.chat_templates:
-            template_name = "tool_use"
-        template = self.chat_template if template_name is None else template_named(self.chat_templates, template_name, self.source)
+        template = template_named(self.chat_templates, template_name, self.source, bool(kwargs.get("tools")),
+                                  self.chat_template)
         if template is None:
             raise ValueError(f"{self.source} has no chat template; pass one to render_chat()")
         kwargs = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}

@@ -80,8 +80,12 @@ def generation_eos_ids(path: Path) -> list[int]:
     return ids
 
 
-def template_named(templates: dict[str, str], name: str, source: str) -> str:
-    """The template a chat names ('default', 'tool_use', ...), or ValueError listing the names there are."""
+def template_named(templates: dict[str, str], name: str | None, source: str, tools: bool = False,
+                   default: str | None = None) -> str | None:
+    """The template a chat names ('default', 'tool_use', ...), or ValueError listing the names there are;
+    without a name, 'tool_use' for a chat with tools when there is one (as transformers picks), else `default`."""
+    if name is None:
+        return templates["tool_use"] if tools and "tool_use" in templates else default
     if name not in templates:
         raise ValueError(f"{source} has no chat template named {name!r}; it has: {', '.join(map(repr, templates)) or 'none'}")
     return templates[name]

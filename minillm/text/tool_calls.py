@@ -16,6 +16,7 @@ import json
 import re
 import uuid
 
+from minillm.text.tokenizer_files import template_named
 from minillm.utils.validate import lone_surrogate, shown
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"  # what Qwen2.5's and Qwen3's templates ask the model to write
@@ -130,12 +131,15 @@ def template_messages(messages: list[dict], tools: list[dict], template_has_tool
     return out
 
 
-def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
-    """Prompt ids of a chat that offers `tools`: the template renders them if it can, else the messages
-    carry them (template_messages)."""
-    has_tools = "tools" in (tokenizer.chat_template or "")
+def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict], template_name: str | None = None) -> list[int]:
+    """Prompt ids of a chat that offers `tools`: the template (the one named, else the one a chat with
+    tools gets) renders them if it can, else the messages carry them (template_messages)."""
+    template = template_named(tokenizer.chat_templates, template_name, tokenizer.source, bool(tools),
+                              tokenizer.chat_template)
+    has_tools = "tools" in (template or "")
     extra = {"tools": tools} if tools and has_tools else {}
-    return tokenizer.apply_chat_template(template_messages(messages, tools, has_tools), **extra)
+    return tokenizer.apply_chat_template(template_messages(messages, tools, has_tools), template_name=template_name,
+                                         **extra)
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:

@@ -145,3 +145,26 @@ def test_a_gguf_template_that_does_not_compile_is_refused_at_load(tmp_path):
     path = tokenizer_gguf(tmp_path / "t.gguf", {"default": "{% for m in messages %}{{ m }}"})
     with pytest.raises(ValueError, match=r"t.gguf: tokenizer.chat_template: the chat template does not compile \(line 1"):
         Tokenizer.from_gguf(path)
+
+
+def test_llm_chat_renders_the_template_a_chat_names(tmp_path):
+    """LLM.chat(template_name=...) and the tools path render the named template: the prompt ids the
+    model reads are that template's, as Tokenizer.chat_text renders it."""
+    from minillm.api import LLM
+    from minillm.weights.loading import load_folder
+
+    tok = Tokenizer.from_gguf(tokenizer_gguf(tmp_path / "t.gguf", {
+        "default": "D{{ messages[0].content }}", "rag": "R{{ messages[0].content }}",
+        "tool_use": "{{ tools[0].function.name }}:{{ messages[0].content }}"}))
+    llm = LLM(load_folder(DATA / "tiny-llama", device="cpu"), tok)
+    assert llm.encode_chat(CHAT, template_name="rag") == tok.encode("Rhi")
+    seen, steps = [], llm._steps
+    llm._steps = lambda ids, *args, **kwargs: seen.append(ids) or steps(ids, *args, **kwargs)
+    llm.chat(CHAT, template_name="rag", max_new_tokens=1)
+    llm.chat(CHAT, tools=TOOLS, max_new_tokens=1)
+    llm.chat(CHAT, tools=TOOLS, template_name="default", max_new_tokens=1)
+    assert seen[:2] == [tok.encode("Rhi"), tok.encode("f:hi")]
+    default = tok.decode(seen[2])  # the default template has no tools: they reach it in a system message
+    assert default.startswith("D") and "<tool_call>" in default
+    with pytest.raises(ValueError, match="no chat template named 'nope'"):
+        llm.chat(CHAT, template_name="nope")
