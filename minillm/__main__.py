@@ -277,7 +277,7 @@ def cmd_serve(args) -> int:
           model_name=name, num_blocks=args.num_blocks, max_in_flight=args.max_in_flight, api_keys=keys,
           max_concurrent_per_key=args.max_concurrent_per_key, tokens_per_minute=args.tokens_per_minute,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, prefill_chunk=args.prefill_chunk or None,
-          **_engine_class(args, control, drafter))
+          lenient=args.lenient, **_engine_class(args, control, drafter))
     if control is not None:
         control.share(None)  # the followers stop
     return 0
@@ -322,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float, default=20.0, metavar="S",
                        help="on SIGTERM/Ctrl-C, running requests get S seconds to finish; the rest end with "
                             "finish_reason 'shutdown' (default: 20)")
+    serve.add_argument("--lenient", action="store_true",
+                       help="accept a request field the server does not know, and log it (default: a 400 naming it, "
+                            "as OpenAI answers); fields it knows but does not do are refused either way")
     serve.add_argument("--access-log", default="-", metavar="PATH",
                        help="one JSON line per request: '-' stderr (default), a file, or 'off'")
     _add_weight_flags(serve)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -65,8 +66,9 @@ def sse(data) -> str:
 class Reply:
     """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
 
-    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: bool = False):
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: bool = False, one_call: bool = False):
         self.chat, self.prompt_tokens, self.index, self.tools, self.held = chat, prompt_tokens, 0, tools, ""
+        self.one_call, self.tail = one_call, b""  # parallel_tool_calls false; the answer's last token bytes
         self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
@@ -84,10 +86,10 @@ class Reply:
     def choice(self, text: str, finish, logprobs=None, delta: bool = False) -> dict:
         if not self.chat:
             return {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish}
-        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        message = {"content": text} if delta else {"role": "assistant", "content": text, "refusal": None}
         if self.tools and finish is not None:  # the whole text: <tool_call> blocks become tool_calls
-            finish = with_tool_calls(message, text, finish, delta)
-        lp = {"content": logprobs} if logprobs is not None else None
+            finish = with_tool_calls(message, text, finish, delta, self.one_call)
+        lp = {"content": logprobs, "refusal": None} if logprobs is not None else None  # the spec requires refusal
         return {"index": self.index, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
 
     def opening(self) -> str:
@@ -113,11 +115,14 @@ def best_choices(logprobs: list[list[dict]], n: int) -> list[int]:
 
 def output_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[str]:
     """The SSE events one engine Output sends: a chunk with its text (and logprobs), then, on the
-    request's last output, the finishing chunk."""
+    request's last output, the finishing chunk. An answer that offered tools: held_events."""
+    if reply.tools:
+        return held_events(out, reply, tokenizer)
     events = []
     lp = [token_logprobs(tokenizer, out)] if logprobs and out.token_id is not None else None
-    if out.text or lp:
-        events.append(reply.chunk([reply.choice(out.text, None, lp, delta=True)]))
+    text = answer_text(reply, out, tokenizer)
+    if text or lp:
+        events.append(reply.chunk([reply.choice(text, None, lp, delta=True)]))
     if out.finished:
         last = reply.choice("", out.finish_reason, None, delta=True)
         if reply.chat:
@@ -205,20 +210,21 @@ def offered_tools(body: dict, chat: bool) -> tuple[list[dict], str | dict]:
         raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
 
 
-def with_tool_calls(message: dict, text: str, finish: str, delta: bool) -> str:
+def with_tool_calls(message: dict, text: str, finish: str, delta: bool, one_call: bool = False) -> str:
     """Split an answer's whole text into the message's content and tool_calls (a delta's carry their
-    index); the finish_reason is "tool_calls" when there are any."""
+    index; one_call, parallel_tool_calls false: the first only); "tool_calls" is the finish when any."""
     message["content"], calls = parse_tool_calls(text)
+    calls = calls[:1] if one_call else calls
     if not calls:
         return finish
     message["tool_calls"] = [{**c, "index": k} for k, c in enumerate(calls)] if delta else calls
     return "tool_calls"
 
 
-def held_events(out: Output, reply: Reply) -> list[str]:
+def held_events(out: Output, reply: Reply, tokenizer) -> list[str]:
     """output_events for a streamed answer that offered tools: its text is held to the end, since only
     then is it known whether it is content or calls; then one chunk with either, and the finish."""
-    reply.held += out.text
+    reply.held += answer_text(reply, out, tokenizer)
     return [reply.chunk([reply.choice(reply.held, out.finish_reason, None, delta=True)])] if out.finished else []
 
 
@@ -234,9 +240,13 @@ def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
         content = m.get("content")
         calls = _tool_calls(m.get("tool_calls"), i) if m["role"] == "assistant" else []
         content = "" if content is None and calls else content
-        if isinstance(content, list):  # content parts: keep the text ones
-            parts = [p for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            content = "".join(_text(p.get("text"), f"messages[{i}].content[].text", "messages") for p in parts)
+        if isinstance(content, list):  # content parts: text only; an image, audio or file part is refused
+            kinds = [p.get("type") if isinstance(p, dict) else p for p in content]
+            if any(kind != "text" for kind in kinds):
+                j = next(j for j, kind in enumerate(kinds) if kind != "text")
+                raise APIError(400, f"messages[{i}].content[{j}] is a part of type {shown(kinds[j])}: this server "
+                               "reads text parts only (no image, audio or file input)", "messages")
+            content = "".join(_text(p.get("text"), f"messages[{i}].content[].text", "messages") for p in content)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages"),
@@ -330,6 +340,7 @@ class ParsedRequest:
     tools: bool  # tools were offered and may be called: the answer is parsed for calls
     model: str  # the name the answer reports (the base model's, or an adapter's)
     options: dict  # Engine.make_request's keywords: response_format, adapter, eos_token_ids
+    one_call: bool = False  # parallel_tool_calls false: at most one tool call in the answer
 
 
 def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
@@ -361,7 +372,10 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     if not chat and body.get("logprobs") is not None:
         raise APIError(400, "logprobs is supported on /v1/chat/completions only", "logprobs")
     want_logprobs = _flag(body, "logprobs")
-    top = body.get("top_logprobs") or 0
+    top = body.get("top_logprobs")
+    if top is not None and not want_logprobs:  # as OpenAI: the alternatives come only with the tokens' own
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    top = top or 0
     if not is_int(top) or not 0 <= top <= 20:
         raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {shown(top)}", "top_logprobs")
     knobs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
@@ -376,7 +390,7 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     if params.seed is not None and params.seed + best_of > 2**64:  # choice i samples with seed + i
         raise APIError(400, f"seed + best_of - 1 must be below 2**64 (choice i samples with seed + i), got seed "
                        f"{params.seed} and {best_of} choices", "seed")
-    fmt, (tools, choice) = body.get("response_format"), offered_tools(body, chat)
+    fmt, (tools, choice) = named_schema(body.get("response_format")), offered_tools(body, chat)
     forced = call_format(tools, choice)  # a call is required: the grammar writes its frame
     if forced is not None:
         if fmt is not None:
@@ -392,7 +406,39 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
     usage = _flag(options, "include_usage", "stream_options.include_usage")
+    one_call = body.get("parallel_tool_calls") is not None and not _flag(body, "parallel_tool_calls")
     return ParsedRequest(params, max_tokens, stop, stream, n, best_of, usage, want_logprobs,
                          tools=bool(tools) and choice != "none", model=model,
                          options={"response_format": fmt, "adapter": adapter,
-                                  **({"eos_token_ids": ()} if _flag(body, "ignore_eos") else {})})
+                                  **({"eos_token_ids": ()} if _flag(body, "ignore_eos") else {})}, one_call=one_call)
+
+
+def named_schema(fmt):
+    """response_format as OpenAI reads it: a json_schema needs its `name` (1 to 64 of a-z, A-Z, 0-9, _
+    and -); its `schema` is optional, and none means any JSON object (the json_object format)."""
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict)):
+        return fmt  # validate_response_format names what is wrong
+    name = fmt["json_schema"].get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise APIError(400, "response_format.json_schema.name must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, "
+                       f"got {shown(name)}", "response_format.json_schema.name")
+    return fmt if fmt["json_schema"].get("schema") is not None else {"type": "json_object"}
+
+
+def cut_char(tail: bytes) -> bool:
+    """Whether bytes end inside a UTF-8 character: a lead byte whose continuation bytes have not all come."""
+    for back in range(1, min(4, len(tail)) + 1):
+        byte = tail[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: ASCII or a lead byte
+            need = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
+            return need > back
+    return False
+
+
+def answer_text(reply: Reply, out: Output, tokenizer) -> str:
+    """out.text, less the U+FFFD the decoder's flush makes of a character the end of the answer cut in
+    two: its bytes were held back while it streamed (as the decoder does), and are dropped."""
+    if out.token_id is not None and out.token_id not in tokenizer.special_ids:
+        reply.tail = (reply.tail + tokenizer.token_bytes(out.token_id))[-4:]
+    cut = out.finished and out.text.endswith("\ufffd") and cut_char(reply.tail)
+    return out.text[:-1] if cut else out.text

@@ -2,19 +2,17 @@
 
 """An OpenAI-compatible HTTP server over the continuous-batching engine.
 
-Built in notebooks/14_server.ipynb. One background thread owns the Engine (notebook 12) and steps
-it while any request is unfinished; each request gets an asyncio.Queue of its Outputs, handed over
-with loop.call_soon_threadsafe, so concurrent requests share forward passes. A client that hangs
-up mid-stream aborts its request, which frees its KV blocks. A request for n choices is one engine
-request: its prompt is prefilled once and the choices share its blocks.
+Built in notebooks/14_server.ipynb. One background thread owns the Engine (notebook 12) and steps it while any
+request is unfinished; each request gets an asyncio.Queue of its Outputs, handed over with loop.call_soon_threadsafe,
+so concurrent requests share forward passes. A client that hangs up mid-stream aborts its request, which frees its
+KV blocks. A request for n choices is one engine request: its prompt is prefilled once, its choices share its blocks.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (stream: server-sent events ending in
-`data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus). Errors: {"error": {"message",
-"type", "param", "code"}}. Around them (minillm/serve/ops.py): API keys, per-key limits, a JSON access
-log, request timeouts (finish_reason "length") and a graceful shutdown (finish_reason "shutdown").
-
-References: the OpenAI API reference (chat completions, completions, streaming, error codes);
-vLLM's OpenAI-compatible API server (the queue-per-request bridge over one engine loop).
+Endpoints: POST /v1/chat/completions, /v1/completions (stream: server-sent events ending in `data: [DONE]`),
+GET /health, /metrics (Prometheus); GET /v1/models, /v1/models/{id}, POST /tokenize, /detokenize (fields.py,
+with the table of request fields). Errors: {"error": {"message", "type", "param", "code"}}. Around them (ops.py):
+API keys, per-key limits, a JSON access log, request timeouts and a graceful shutdown (both finish_reason
+"length", the spec's word for an answer cut short). References: the OpenAI API reference and its OpenAPI
+spec; vLLM's OpenAI-compatible server (the queue-per-request bridge over one engine loop; /tokenize).
 The protocol (request checks, response shapes, error JSON) is minillm/serve/openai_protocol.py.
 """
 
@@ -36,7 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minillm.api import LLM
 from minillm.runtime.engine import Engine, Output
 from minillm.weights.lora import adapter_names
-from minillm.serve.openai_protocol import (APIError, ParsedRequest, Reply, best_choices, held_events, output_events,
+from minillm.serve.fields import CHAT_FIELDS, TEXT_FIELDS, add_routes, check_fields
+from minillm.serve.openai_protocol import (APIError, ParsedRequest, Reply, answer_text, best_choices, output_events,
                                            parse_request, read_json, read_prompt, sse, token_logprobs)
 from minillm.runtime.sampling import SamplingParams
 from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
@@ -178,7 +177,7 @@ async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: P
     up is noticed within half a second (nothing is written to it until the end, so only asking tells)
     and its request is aborted."""
     rids, outputs = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.best_of, **req.options)
-    index = {rid: i for i, rid in enumerate(rids)}
+    index, views = {rid: i for i, rid in enumerate(rids)}, [reply.at(i) for i in range(len(rids))]
     texts, lps, finish = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
     asked = time.monotonic()
     try:
@@ -187,7 +186,7 @@ async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: P
                 out = await asyncio.wait_for(_next_output(outputs), timeout=0.5)
                 i = index[out.request_id]
                 record.output(i, out)
-                texts[i].append(out.text)
+                texts[i].append(answer_text(views[i], out, tokenizer))  # a cut character dropped
                 if out.token_id is not None:
                     lps[i].append(token_logprobs(tokenizer, out))
                 finish[i] = out.finish_reason if out.finished else None
@@ -222,7 +221,7 @@ async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: Pa
             reply = replies[out.request_id]  # this choice's view: its chunks carry its index
             record.output(reply.index, out)
             n += out.token_id is not None
-            for event in held_events(out, reply) if reply.tools else output_events(out, reply, tokenizer, req.logprobs):
+            for event in output_events(out, reply, tokenizer, req.logprobs):
                 yield event
             if out.finished:
                 pending.discard(out.request_id)
@@ -302,7 +301,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int, model_name: str,
-                       max_body_bytes: int):
+                       max_body_bytes: int, lenient: bool = False):
     """The body of both completion endpoints: admit, read, check, then answer whole or as a stream."""
 
     async def complete(request: Request, chat: bool):
@@ -310,10 +309,11 @@ def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int,
         streaming = False
         try:
             body = await read_json(request, max_body_bytes)
+            check_fields(body, CHAT_FIELDS if chat else TEXT_FIELDS, lenient)  # a field it does not do: 400
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
             req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat,
                                 bridge.engine.constraints, adapter_names(llm.model))  # notebooks 18 and 19
-            reply = Reply(chat, req.model, len(ids), req.tools)
+            reply = Reply(chat, req.model, len(ids), req.tools, req.one_call)
             record.begin(reply.head["id"], len(ids))
             if not req.stream:
                 answer = await collect_answer(bridge, llm.tokenizer, ids, req, reply, request, record)
@@ -356,9 +356,11 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
                max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20,
                api_keys: Iterable[str] = (), max_concurrent_per_key: int | None = None,
                tokens_per_minute: int | None = None, request_timeout: float | None = None,
-               shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=Engine) -> FastAPI:
+               shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=Engine,
+               lenient: bool = False) -> FastAPI:
     """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine
-    (prefill_chunk: its prompt tokens per step; None: every prompt whole; engine_class: nb 20's LeadEngine)."""
+    (prefill_chunk: its prompt tokens per step; None: every prompt whole; engine_class: nb 20's LeadEngine;
+    lenient: a request field the server does not know is logged and ignored, not refused)."""
     bridge = EngineBridge(engine_class(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
     bridge.request_timeout = validate_seconds("request_timeout", request_timeout, none_ok=True)
     grace = validate_seconds("shutdown_grace", shutdown_grace)
@@ -376,7 +378,9 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
     app.state.bridge, app.state.context, app.state.gate = bridge, context, gate
     app.state.drain = lambda: drain(bridge, gate, grace)
     add_error_handlers(app)
-    complete = completion_handler(llm, bridge, gate, context, model_name, max_body_bytes)
+    complete = completion_handler(llm, bridge, gate, context, model_name, max_body_bytes, lenient)
+    add_routes(app, llm, gate, context, max_body_bytes, lambda: model_list(model_name, context, adapter_names(llm.model)),
+               lenient)  # GET /v1/models, /v1/models/{id}; POST /tokenize, /detokenize
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -385,11 +389,6 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await complete(request, chat=False)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        gate.admit(request, limited=False).end(200)  # a key is needed here too
-        return model_list(model_name, context, adapter_names(llm.model))
 
     @app.get("/health")
     async def health():  # open without a key: for load balancers
@@ -404,12 +403,13 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
 
 async def drain(bridge: EngineBridge, gate: Gate, grace: float) -> None:
     """Graceful shutdown: new requests get 503; those in flight have `grace` seconds to finish; then
-    each one still running ends with finish_reason "shutdown", after the text it has so far."""
+    each one still running ends with finish_reason "length" (cut short: the spec has no "shutdown"), after
+    the text it has so far."""
     gate.draining = True
     deadline = time.monotonic() + grace
     while gate.in_flight.count and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    bridge.end_all("shutdown")
+    bridge.end_all("length")
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str | None = "-", **app_kwargs) -> None:

@@ -1,6 +1,7 @@
 """The request schema, walked (issue 51): every field the server reads on /v1/chat/completions and
 /v1/completions, one at a time, replaced by a hostile value (each wrong type, huge, empty, null, a
-lone surrogate, nested wrong types). Each request must answer 200, or 400 whose `error.param` names
+lone surrogate, nested wrong types), and the spec's fields the server refuses or ignores (issue 52) and an
+unknown one. Each request must answer 200, or 400 whose `error.param` names
 the field (the field itself, a field around it, or one inside it), or for `model` the documented 404
 `model_not_found`; never a 5xx, and never slower than REQUEST_SECONDS. A live server on 127.0.0.1,
 through httpx; SmolLM2 answers, two tokens at a time, in a context of 256 tokens."""
@@ -29,8 +30,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 CHAT = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
                                      {"role": "user", "content": [{"type": "text", "text": "Say hi."}]}],
         "max_tokens": 2, "temperature": 0, "top_p": 1, "seed": 1, "presence_penalty": 0, "frequency_penalty": 0,
-        "stop": ["\n\n"], "n": 1, "stream": False, "stream_options": {"include_usage": False}, "logprobs": False,
-        "top_logprobs": 0, "ignore_eos": False}
+        "stop": ["\n\n"], "n": 1, "stream": False, "stream_options": {"include_usage": False}, "logprobs": True,
+        "top_logprobs": 0, "ignore_eos": False}  # top_logprobs needs logprobs: true (a 400 otherwise, as OpenAI)
 TOOLS = {**CHAT, "messages": [{"role": "user", "content": "Weather in Paris?"},
                               {"role": "assistant", "content": None, "tool_calls": [CALL]},
                               {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}],
@@ -47,14 +48,15 @@ CHAT_FIELDS = [(CHAT, ["model", "messages", "messages[1]", "messages[1].role", "
                        "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "presence_penalty",
                        "frequency_penalty", "stop", "stop[0]", "n", "best_of", "stream", "stream_options",
                        "stream_options.include_usage", "logprobs", "top_logprobs", "ignore_eos", "response_format",
-                       "tools", "tool_choice"]),
+                       "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "modalities", "audio", "store",
+                       "service_tier", "user", "metadata", "functions", "not_an_openai_field"]),
                (TOOLS, ["messages[0].content", "messages[1].content", "messages[1].tool_calls",
                         "messages[1].tool_calls[0]", "messages[1].tool_calls[0].function",
                         "messages[1].tool_calls[0].function.name", "messages[1].tool_calls[0].function.arguments",
                         "messages[2].content", "tools", "tools[0]", "tools[0].type", "tools[0].function",
                         "tools[0].function.name", "tools[0].function.description", "tools[0].function.parameters",
                         "tools[0].function.parameters.properties", "tool_choice", "tool_choice.type",
-                        "tool_choice.function", "tool_choice.function.name"]),
+                        "tool_choice.function", "tool_choice.function.name", "parallel_tool_calls"]),
                (FORMAT, ["response_format", "response_format.type", "response_format.json_schema",
                          "response_format.json_schema.name", "response_format.json_schema.schema",
                          "response_format.json_schema.schema.properties"])]
@@ -63,7 +65,7 @@ TEXT_FIELDS = [({**TEXT, "prompt": ["Once upon a time"]}, ["prompt", "prompt[0]"
                (TEXT, ["model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                        "seed", "presence_penalty", "frequency_penalty", "stop", "n", "best_of", "stream",
                        "stream_options", "stream_options.include_usage", "logprobs", "ignore_eos", "response_format",
-                       "tools", "tool_choice"])]
+                       "tools", "tool_choice", "suffix", "echo", "logit_bias", "user", "not_an_openai_field"])]
 
 
 def hostile(valid) -> dict[str, object]:

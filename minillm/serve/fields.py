@@ -1,0 +1,163 @@
+# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+
+"""Every request field of OpenAI's spec, and what minillm's server does with it; the small endpoints.
+
+Built in notebooks/14_server.ipynb (its Plumbing section). The tables list, for /v1/chat/completions
+and /v1/completions, each request field of OpenAI's OpenAPI spec (github.com/openai/openai-openapi;
+the schemas are in data/openai-openapi/) and minillm's own extensions: what the server does with it.
+A field the server does not do is refused with a 400 naming it (`error.param`), never silently
+ignored; a field not in the table at all gets the 400 OpenAI answers ("Unrecognized request
+argument"), or with `lenient` (serve --lenient) is accepted and logged. Also here: GET /v1/models/{id}
+(the openai client's models.retrieve) and vLLM's POST /tokenize and /detokenize.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+
+from minillm.api import LLM
+from minillm.serve.openai_protocol import APIError, _flag, _text, chat_prompt, offered_tools, read_json
+from minillm.serve.ops import Gate
+from minillm.utils.validate import is_int, shown
+
+LOG = logging.getLogger("minillm.serve")
+
+SUPPORTED = "supported"
+NO_EFFECT = "accepted, no effect: there is nothing for a local server to do with it"
+SHARED = {  # the fields of both endpoints that the server reads (notebook 14's table gives their ranges)
+    "model": SUPPORTED, "max_tokens": SUPPORTED, "temperature": SUPPORTED, "top_p": SUPPORTED, "n": SUPPORTED,
+    "seed": SUPPORTED, "stop": SUPPORTED, "stream": SUPPORTED, "stream_options": SUPPORTED,
+    "presence_penalty": SUPPORTED, "frequency_penalty": SUPPORTED, "user": NO_EFFECT,
+    "logit_bias": "refused unless empty: not applied yet",
+    "ignore_eos": "supported (an extension, as vLLM's): the end-of-turn token does not end the answer",
+    "max_completion_tokens": SUPPORTED, "response_format": SUPPORTED,
+}
+CHAT_FIELDS = {**SHARED, "messages": "supported: text content only; image, audio and file parts are refused",
+               "logprobs": SUPPORTED, "top_logprobs": "supported, with logprobs: true (400 without it, as OpenAI)",
+               "tools": SUPPORTED, "tool_choice": SUPPORTED,
+               "parallel_tool_calls": "supported: false keeps at most one tool call in the answer",
+               "best_of": "refused on chat (/v1/completions only)",
+               "safety_identifier": NO_EFFECT, "metadata": NO_EFFECT, "prompt_cache_key": NO_EFFECT,
+               "prompt_cache_retention": NO_EFFECT,
+               "store": "false or null only: no answer is stored", "service_tier": "auto or default only: one tier",
+               "modalities": '["text"] only: no audio output', "audio": "refused: no audio output",
+               "functions": "refused: deprecated, send tools", "function_call": "refused: deprecated, send tool_choice",
+               "prediction": "refused: no predicted outputs", "reasoning_effort": "refused: no reasoning models here",
+               "verbosity": "refused: no verbosity control", "web_search_options": "refused: no web search",
+               "moderation": "refused: no moderation", "prompt_cache_options": "refused: the prefix cache has no options"}
+TEXT_FIELDS = {**SHARED, "prompt": "supported: a string, or a list of token ids (one prompt)",
+               "best_of": SUPPORTED, "echo": "refused if true: not done yet", "suffix": "refused unless empty",
+               "logprobs": "refused: not done yet on /v1/completions (chat's logprobs are)",
+               "tools": "refused on /v1/completions", "tool_choice": "refused on /v1/completions"}
+TOKENIZE_FIELDS = {"model": SUPPORTED, "prompt": SUPPORTED, "messages": SUPPORTED, "tools": SUPPORTED,
+                   "add_special_tokens": SUPPORTED, "add_generation_prompt": "true only (the default)",
+                   "continue_final_message": "false only (the default)", "return_token_strs": SUPPORTED}
+DETOKENIZE_FIELDS = {"model": SUPPORTED, "tokens": SUPPORTED}
+
+REFUSED_WHEN: dict[str, Callable] = {  # field: which values are refused (null never is)
+    "logit_bias": lambda v: v != {}, "suffix": lambda v: v != "", "echo": lambda v: v is not False,
+    "store": lambda v: v is not False, "service_tier": lambda v: v not in ("auto", "default"),
+    "modalities": lambda v: v != ["text"],
+    **{name: lambda v: True for name in ("audio", "functions", "function_call", "prediction", "reasoning_effort",
+                                         "verbosity", "web_search_options", "moderation", "prompt_cache_options")}}
+
+
+def check_fields(body: dict, table: dict[str, str], lenient: bool = False) -> None:
+    """400 naming the first field of `body` that `table` does not know (OpenAI's answer; with `lenient`,
+    logged and left alone), or whose value asks for what the server does not do (REFUSED_WHEN)."""
+    for name, value in body.items():
+        if name not in table:
+            if not lenient:
+                raise APIError(400, f"Unrecognized request argument supplied: {shown(name)}", name,
+                               "unknown_parameter")
+            LOG.warning("ignored a request field the server does not know: %s", shown(name))
+        elif value is not None and name in REFUSED_WHEN and REFUSED_WHEN[name](value):
+            raise APIError(400, f"{name} = {shown(value)} is not supported by this server ({table[name]})", name,
+                           "unsupported_parameter")
+
+
+def model_entry(models: dict, model_id) -> dict:
+    """The body of GET /v1/models/{id}: that entry of the model list, or 404 naming the id."""
+    if not isinstance(model_id, str):
+        raise APIError(400, f"model must be a string, an id that GET /v1/models lists, got {shown(model_id)}", "model")
+    for entry in models["data"]:
+        if entry["id"] == model_id:
+            return entry
+    served = ", ".join(repr(m["id"]) for m in models["data"])
+    raise APIError(404, f"the model {shown(model_id)} does not exist; this server has {served}", "model",
+                   "model_not_found")
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    return _flag({name: default if body.get(name) is None else body[name]}, name)
+
+
+def tokenize(llm: LLM, body: dict, context: int, models: dict) -> dict:
+    """vLLM's POST /tokenize: the ids of a `prompt` (with the special tokens the tokenizer adds, unless
+    add_special_tokens is false) or of chat `messages` (through the chat template, as /v1/chat/completions
+    builds its prompt, with the generation prompt); with return_token_strs, each token's text."""
+    if body.get("model") is not None:
+        model_entry(models, body["model"])
+    chat = body.get("messages") is not None
+    if chat == (body.get("prompt") is not None):
+        raise APIError(400, "send either prompt (a string) or messages (a chat), not both and not neither", "prompt")
+    if chat:
+        for name, allowed in (("add_generation_prompt", True), ("continue_final_message", False),
+                              ("add_special_tokens", False)):
+            if _bool(body, name, allowed) != allowed:
+                raise APIError(400, f"{name}: {str(not allowed).lower()} is not supported with messages", name)
+        tools, choice = offered_tools(body, True)
+        ids = chat_prompt(llm, body["messages"], tools if choice != "none" else [])
+    else:
+        special = _bool(body, "add_special_tokens", True)
+        ids = llm.tokenizer.encode(_text(body["prompt"], "prompt", "prompt"), add_special_tokens=special)
+    strs = [llm.tokenizer.token_bytes(i).decode("utf-8", errors="replace") for i in ids]
+    return {"count": len(ids), "max_model_len": context, "tokens": ids,
+            "token_strs": strs if _bool(body, "return_token_strs", False) else None}
+
+
+def detokenize(llm: LLM, body: dict, models: dict) -> dict:
+    """vLLM's POST /detokenize: the text of token ids, as the tokenizer decodes them."""
+    if body.get("model") is not None:
+        model_entry(models, body["model"])
+    ids, vocab = body.get("tokens"), llm.model.config.vocab_size
+    if not isinstance(ids, list) or not all(is_int(i) and 0 <= i < vocab for i in ids):
+        raise APIError(400, f"tokens must be a list of token ids in [0, {vocab}), got {shown(ids)}", "tokens")
+    return {"prompt": llm.tokenizer.decode(ids)}
+
+
+def add_routes(app: FastAPI, llm: LLM, gate: Gate, context: int, max_body_bytes: int, models: Callable[[], dict],
+               lenient: bool = False) -> None:
+    """GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize: a key is needed (as for the
+    completions), but no per-key limit counts them."""
+
+    async def answer(request: Request, work: Callable[[dict], dict], table: dict | None = None) -> dict:
+        record = gate.admit(request, limited=False)
+        try:
+            body = await read_json(request, max_body_bytes) if table is not None else {}
+            check_fields(body, table or {}, lenient)
+            result = work(body)
+        except APIError as exc:
+            record.end(exc.status)
+            raise
+        record.end(200)
+        return result
+
+    @app.get("/v1/models")
+    async def model_list(request: Request):
+        return await answer(request, lambda _: models())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str, request: Request):
+        return await answer(request, lambda _: model_entry(models(), model_id))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await answer(request, lambda body: tokenize(llm, body, context, models()), TOKENIZE_FIELDS)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await answer(request, lambda body: detokenize(llm, body, models()), DETOKENIZE_FIELDS)
