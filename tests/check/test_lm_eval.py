@@ -16,7 +16,9 @@ requests, each is_greedy flag, acc and acc_norm, the generated texts and exact_m
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -73,9 +75,9 @@ def lms(offline):
 
 def evaluate(lm, tasks, limit=None) -> dict:
     from lm_eval import evaluator
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
-    task_dict = get_task_dict(tasks, TaskManager(include_path=str(ROOT / "data" / "lm-eval")))
+    task_dict = TaskManager(include_path=str(ROOT / "data" / "lm-eval")).load(tasks)  # as simple_evaluate loads them
     return evaluator.evaluate(lm=lm, task_dict=task_dict, limit=limit, log_samples=True)
 
 
@@ -178,3 +180,16 @@ def test_the_module_refuses_what_it_does_not_do(lms):
                                                                             hf.max_length)
     messages = [{"role": "user", "content": "Hi"}]
     assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages)
+
+
+def test_the_package_runs_without_lm_eval():
+    """Importing minillm (its CLI and checker too) never imports lm-eval; without lm-eval installed,
+    the module says what to install."""
+    code = ("import sys; import minillm, minillm.api, minillm.check, minillm.__main__\n"
+            "assert 'lm_eval' not in sys.modules, 'the runtime imported lm_eval'\n"
+            "sys.modules['lm_eval'] = None  # as if not installed\n"
+            "try:\n    import minillm.check.lm_eval\nexcept ImportError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pip install lm-eval==0.4.13" in result.stdout
