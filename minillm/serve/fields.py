@@ -8,18 +8,23 @@ the schemas are in data/openai-openapi/) and minillm's own extensions: what the 
 A field the server does not do is refused with a 400 naming it (`error.param`), never silently
 ignored; a field not in the table at all gets the 400 OpenAI answers ("Unrecognized request
 argument"), or with `lenient` (serve --lenient) is accepted and logged. Also here: GET /v1/models/{id}
-(the openai client's models.retrieve) and vLLM's POST /tokenize and /detokenize.
+(the openai client's models.retrieve), vLLM's POST /tokenize and /detokenize, and /v1/completions' own
+fields: logprobs as a count, echo (the prompt's logprobs, from the prefill) and max_tokens 0 with echo.
 """
 
 from __future__ import annotations
 
 import logging
+import itertools
 from collections.abc import Callable
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 
 from minillm.api import LLM
-from minillm.serve.openai_protocol import APIError, _flag, _text, chat_prompt, offered_tools, read_json
+from minillm.runtime.sampling import validate_logit_bias
+from minillm.serve.openai_protocol import (APIError, ParsedRequest, _flag, _text, chat_prompt, offered_tools,
+                                           parse_request, read_json)
 from minillm.serve.ops import Gate
 from minillm.utils.validate import is_int, shown
 
@@ -31,7 +36,7 @@ SHARED = {  # the fields of both endpoints that the server reads (notebook 14's 
     "model": SUPPORTED, "max_tokens": SUPPORTED, "temperature": SUPPORTED, "top_p": SUPPORTED, "n": SUPPORTED,
     "seed": SUPPORTED, "stop": SUPPORTED, "stream": SUPPORTED, "stream_options": SUPPORTED,
     "presence_penalty": SUPPORTED, "frequency_penalty": SUPPORTED, "user": NO_EFFECT,
-    "logit_bias": "refused unless empty: not applied yet",
+    "logit_bias": "supported: {\"token id\": bias in [-100, 100]}; a bad key, bias or id is a 400",
     "ignore_eos": "supported (an extension, as vLLM's): the end-of-turn token does not end the answer",
     "max_completion_tokens": SUPPORTED, "response_format": SUPPORTED,
 }
@@ -49,8 +54,9 @@ CHAT_FIELDS = {**SHARED, "messages": "supported: text content only; image, audio
                "verbosity": "refused: no verbosity control", "web_search_options": "refused: no web search",
                "moderation": "refused: no moderation", "prompt_cache_options": "refused: the prefix cache has no options"}
 TEXT_FIELDS = {**SHARED, "prompt": "supported: a string, or a list of token ids (one prompt)",
-               "best_of": SUPPORTED, "echo": "refused if true: not done yet", "suffix": "refused unless empty",
-               "logprobs": "refused: not done yet on /v1/completions (chat's logprobs are)",
+               "best_of": SUPPORTED, "echo": "supported, not streamed; max_tokens 0 with it scores the prompt only",
+               "suffix": "refused unless empty",
+               "logprobs": "supported: alternatives per token, 0 to 5 (OpenAI's legacy object); not streamed",
                "tools": "refused on /v1/completions", "tool_choice": "refused on /v1/completions"}
 TOKENIZE_FIELDS = {"model": SUPPORTED, "prompt": SUPPORTED, "messages": SUPPORTED, "tools": SUPPORTED,
                    "add_special_tokens": SUPPORTED, "add_generation_prompt": "true only (the default)",
@@ -58,7 +64,7 @@ TOKENIZE_FIELDS = {"model": SUPPORTED, "prompt": SUPPORTED, "messages": SUPPORTE
 DETOKENIZE_FIELDS = {"model": SUPPORTED, "tokens": SUPPORTED}
 
 REFUSED_WHEN: dict[str, Callable] = {  # field: which values are refused (null never is)
-    "logit_bias": lambda v: v != {}, "suffix": lambda v: v != "", "echo": lambda v: v is not False,
+    "suffix": lambda v: v != "",
     "store": lambda v: v is not False, "service_tier": lambda v: v not in ("auto", "default"),
     "modalities": lambda v: v != ["text"],
     **{name: lambda v: True for name in ("audio", "functions", "function_call", "prediction", "reasoning_effort",
@@ -161,3 +167,83 @@ def add_routes(app: FastAPI, llm: LLM, gate: Gate, context: int, max_body_bytes:
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
         return await answer(request, lambda body: detokenize(llm, body, models()), DETOKENIZE_FIELDS)
+
+
+def bias_ids(bias):
+    """logit_bias as JSON sends it, {"504": -100}: its keys as token ids (SamplingParams checks the rest)."""
+    if not isinstance(bias, dict):
+        return bias  # null, or a value SamplingParams names as wrong
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise APIError(400, f"logit_bias keys must be token ids written as strings (\"504\"), got {shown(list(bias))}",
+                       "logit_bias") from None
+
+
+def parse_completion(body: dict, ids: list[int], context: int, vocab_size: int, model_name: str, chat: bool = True,
+                     constraints=None, adapters: list[str] = ()) -> ParsedRequest:
+    """parse_request, with logit_bias's keys as ids (and its ids in the vocabulary), and what /v1/completions
+    alone has: `logprobs`, the number of alternatives per token (0 to 5, OpenAI's range); `echo`, the prompt
+    leading the answer; max_tokens 0 with echo, the prompt scored and nothing written (one token is
+    generated, for the prefill to run, and dropped). Neither logprobs nor echo is streamed: 400 naming it."""
+    body, echo, top, silent = {**body, "logit_bias": bias_ids(body.get("logit_bias"))}, False, None, False
+    if not chat:
+        echo, top = _flag(body, "echo"), body.pop("logprobs", None)
+        if top is not None and not (is_int(top) and 0 <= top <= 5):
+            raise APIError(400, f"logprobs must be an integer in [0, 5] on /v1/completions, got {shown(top)}",
+                           "logprobs")
+        if _flag(body, "stream") and (echo or top is not None):
+            field = "echo" if echo else "logprobs"
+            raise APIError(400, f"{field} is not streamed on /v1/completions: ask for the whole answer", field)
+        param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        silent = echo and is_int(body.get(param)) and body[param] == 0
+        body[param] = 1 if silent else body.get(param)
+    req = parse_request(body, ids, context, vocab_size, model_name, chat, constraints, adapters)
+    try:
+        validate_logit_bias(req.params, vocab_size)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "logit_bias") from None
+    if chat or (top is None and not echo):
+        return req
+    return replace(req, params=replace(req.params, logprobs=top), logprobs=top is not None, echo=echo, silent=silent,
+                   options={**req.options, "prompt_logprobs": top if echo and top is not None else None})
+
+
+def _token(tokenizer, tid: int) -> str:
+    return tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
+
+
+def prompt_entries(tokenizer, scores) -> list[dict]:
+    """The prompt's tokens and their scores (the engine's PromptLogprobs) in token_logprobs' shape; the
+    first token has none (nothing comes before it): null, as OpenAI's echo."""
+    tops = scores.top_logprobs or [None] * len(scores.token_ids)
+    return [{"token": _token(tokenizer, t), "logprob": lp,
+             "top_logprobs": None if top is None else [{"token": _token(tokenizer, i), "logprob": v} for i, v in top]}
+            for t, lp, top in zip(scores.token_ids, scores.logprobs, tops)]
+
+
+def legacy_logprobs(entries: list[dict]) -> dict:
+    """token_logprobs' entries in /v1/completions' legacy shape: the tokens, their logprobs, each
+    position's alternatives as {token: logprob}, and where each token starts in the choice's text."""
+    starts = list(itertools.accumulate((len(e["token"]) for e in entries[:-1]), initial=0)) if entries else []
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries], "text_offset": starts}
+
+
+def legacy_answer(answer: dict, req: ParsedRequest, scores, ids: list[int], tokenizer) -> dict:
+    """A /v1/completions answer (a chat one passes as it is) in OpenAI's legacy shape: with echo, the
+    prompt's text leads each choice's text and its tokens' logprobs (`scores`, from the prefill of
+    choice 0, shared by all) lead the choice's; max_tokens 0 drops the token generated; logprobs as
+    legacy_logprobs."""
+    if answer["object"] != "text_completion":
+        return answer
+    head = tokenizer.decode(ids) if req.echo else ""
+    lead = prompt_entries(tokenizer, scores) if req.echo and scores is not None else []
+    for choice in answer["choices"]:
+        text, entries = ("", []) if req.silent else (choice["text"], choice["logprobs"] or [])
+        choice["text"], choice["finish_reason"] = head + text, "length" if req.silent else choice["finish_reason"]
+        choice["logprobs"] = legacy_logprobs(lead + entries) if req.logprobs else None
+    if req.silent:
+        answer["usage"] = {**answer["usage"], "completion_tokens": 0, "total_tokens": answer["usage"]["prompt_tokens"]}
+    return answer

@@ -85,7 +85,7 @@ class Reply:
 
     def choice(self, text: str, finish, logprobs=None, delta: bool = False) -> dict:
         if not self.chat:
-            return {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}  # legacy_answer
         message = {"content": text} if delta else {"role": "assistant", "content": text, "refusal": None}
         if self.tools and finish is not None:  # the whole text: <tool_call> blocks become tool_calls
             finish = with_tool_calls(message, text, finish, delta, self.one_call)
@@ -131,7 +131,7 @@ def output_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[
     return events
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 MAX_DEPTH = 64  # levels of nesting in a body: far below Python's recursion limit, far above any real schema
@@ -341,6 +341,8 @@ class ParsedRequest:
     model: str  # the name the answer reports (the base model's, or an adapter's)
     options: dict  # Engine.make_request's keywords: response_format, adapter, eos_token_ids
     one_call: bool = False  # parallel_tool_calls false: at most one tool call in the answer
+    echo: bool = False  # /v1/completions: the prompt leads the answer (fields.parse_completion)
+    silent: bool = False  # max_tokens 0 with echo: the one token generated is dropped
 
 
 def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
@@ -385,7 +387,7 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     try:
         params = SamplingParams(**knobs, logprobs=top if want_logprobs else None)
     except (ValueError, TypeError) as exc:
-        field = str(exc).split(" ", 1)[0]
+        field = re.split(r"[ \[]", str(exc), maxsplit=1)[0]  # "top_p must...", "logit_bias[5] must..."
         raise APIError(400, str(exc), field if field in SAMPLING_FIELDS else None) from None
     if params.seed is not None and params.seed + best_of > 2**64:  # choice i samples with seed + i
         raise APIError(400, f"seed + best_of - 1 must be below 2**64 (choice i samples with seed + i), got seed "

@@ -34,9 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minillm.api import LLM
 from minillm.runtime.engine import Engine, Output
 from minillm.weights.lora import adapter_names
-from minillm.serve.fields import CHAT_FIELDS, TEXT_FIELDS, add_routes, check_fields
+from minillm.serve.fields import CHAT_FIELDS, TEXT_FIELDS, add_routes, check_fields, legacy_answer, parse_completion
 from minillm.serve.openai_protocol import (APIError, ParsedRequest, Reply, answer_text, best_choices, output_events,
-                                           parse_request, read_json, read_prompt, sse, token_logprobs)
+                                           read_json, read_prompt, sse, token_logprobs)
 from minillm.runtime.sampling import SamplingParams
 from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
                                configure_access_log, schema_pages, validate_seconds)
@@ -178,13 +178,13 @@ async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: P
     and its request is aborted."""
     rids, outputs = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.best_of, **req.options)
     index, views = {rid: i for i, rid in enumerate(rids)}, [reply.at(i) for i in range(len(rids))]
-    texts, lps, finish = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
+    texts, lps, finish, scores = [[] for _ in rids], [[] for _ in rids], [None] * len(rids), None  # scores: echo's
     asked = time.monotonic()
     try:
         while None in finish:
             try:
                 out = await asyncio.wait_for(_next_output(outputs), timeout=0.5)
-                i = index[out.request_id]
+                i, scores = index[out.request_id], out.prompt_logprobs or scores  # the prompt's, on its first
                 record.output(i, out)
                 texts[i].append(answer_text(views[i], out, tokenizer))  # a cut character dropped
                 if out.token_id is not None:
@@ -201,7 +201,7 @@ async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: P
             bridge.abort([rid for rid, reason in zip(rids, finish) if reason is None])
     choices = [reply.at(k).choice("".join(texts[i]), finish[i], lps[i] if req.logprobs else None)
                for k, i in enumerate(best_choices(lps, req.n))]
-    return reply.whole(choices, sum(map(len, lps)))
+    return legacy_answer(reply.whole(choices, sum(map(len, lps))), req, scores, ids, tokenizer)  # /v1/completions'
 
 
 async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: ParsedRequest, reply: Reply,
@@ -311,7 +311,7 @@ def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int,
             body = await read_json(request, max_body_bytes)
             check_fields(body, CHAT_FIELDS if chat else TEXT_FIELDS, lenient)  # a field it does not do: 400
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
-            req = parse_request(body, ids, context, llm.model.config.vocab_size, model_name, chat,
+            req = parse_completion(body, ids, context, llm.model.config.vocab_size, model_name, chat,
                                 bridge.engine.constraints, adapter_names(llm.model))  # notebooks 18 and 19
             reply = Reply(chat, req.model, len(ids), req.tools, req.one_call)
             record.begin(reply.head["id"], len(ids))

@@ -176,7 +176,7 @@ BAD_400 = {
     "logprobs 'yes'": ("/v1/chat/completions", {"messages": HI, "logprobs": "yes"}, "logprobs"),
     "top_logprobs true": ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": True},
                           "top_logprobs"),
-    "logprobs on completions": ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    "logprobs 6 on completions": ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs"),
     "temperature 1e308": ("/v1/chat/completions", {"messages": HI, "temperature": 1e308}, "temperature"),
     "frequency_penalty -3": ("/v1/chat/completions", {"messages": HI, "frequency_penalty": -3}, "frequency_penalty"),
     "presence_penalty 1e39": ("/v1/chat/completions", {"messages": HI, "presence_penalty": 1e39}, "presence_penalty"),
@@ -204,7 +204,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_server_goes_on(live, monkeypa
     def broken(*args, **kwargs):
         raise KeyError("planted")
 
-    monkeypatch.setattr(server_module, "parse_request", broken)
+    monkeypatch.setattr(server_module, "parse_completion", broken)
     r = chat(client)
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error" and "KeyError" in r.text
     monkeypatch.undo()

@@ -57,7 +57,19 @@ def completion_chunk(schemas: dict) -> dict:
     return chunk
 
 
+def echo_answer(schemas: dict) -> dict:
+    """The spec types a completion's `token_logprobs` as numbers and `top_logprobs` as objects, while
+    OpenAI's own echo answers send null for the first prompt token (nothing predicts it), as this server
+    does: the whole answer's schema with null allowed there, and nothing else changed."""
+    answer = copy.deepcopy(schemas["CreateCompletionResponse"])
+    logprobs = answer["properties"]["choices"]["items"]["properties"]["logprobs"]["anyOf"][0]["properties"]
+    for name in ("token_logprobs", "top_logprobs"):
+        logprobs[name]["items"] = {"anyOf": [logprobs[name]["items"], {"type": "null"}]}
+    return answer
+
+
 SPEC["components"]["schemas"]["CompletionStreamChunk"] = completion_chunk(SPEC["components"]["schemas"])
+SPEC["components"]["schemas"]["CompletionEchoResponse"] = echo_answer(SPEC["components"]["schemas"])
 REGISTRY = Registry().with_resource("urn:openai", DRAFT202012.create_resource(SPEC))
 
 
@@ -90,7 +102,13 @@ TEXTS = {
     "plain": {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0},
     "n=2 of best_of=3": {"prompt": "Once upon a time", "max_tokens": 4, "n": 2, "best_of": 3, "seed": 1},
     "token ids": {"prompt": [9707, 11, 1090], "max_tokens": 3, "temperature": 0},
+    "logprobs": {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "logprobs": 2},
+    "logit_bias": {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "logit_bias": {"504": -100}},
+    "echo, logprobs, n=2": {"prompt": "Once upon a time", "max_tokens": 3, "n": 2, "seed": 1, "echo": True,
+                            "logprobs": 3},
+    "echo, max_tokens 0": {"prompt": [[9707, 11, 1090]], "max_tokens": 0, "temperature": 0, "echo": True, "logprobs": 1},
 }
+NOT_STREAMED = ("best_of", "echo", "logprobs")  # best_of > n, echo and completions' logprobs: whole answers only
 ERRORS = [  # (method, path, body, status)
     ("POST", "/v1/chat/completions", {"messages": []}, 400),
     ("POST", "/v1/chat/completions", {"messages": HELLO, "temperature": 9}, 400),
@@ -131,8 +149,8 @@ def answers(client: httpx.Client) -> list[tuple[str, str, object]]:
         for what, body in cases.items():
             r = client.post(path, json={"model": MODEL, **body})
             assert r.status_code == 200, r.text
-            out.append((f"{path} {what}", whole, r.json()))
-            if "best_of" not in body:  # best_of > n is not streamed (a 400)
+            out.append((f"{path} {what}", "CompletionEchoResponse" if body.get("echo") else whole, r.json()))
+            if chunk == "CreateChatCompletionStreamResponse" or not set(NOT_STREAMED) & set(body):
                 stream = {"model": MODEL, **body, "stream": True, "stream_options": {"include_usage": True}}
                 out += [(f"{path} {what}, stream chunk {i}", chunk, e) for i, e in enumerate(events(client, path, stream))]
     out.append(("GET /v1/models", "ListModelsResponse", client.get("/v1/models").json()))
@@ -149,7 +167,7 @@ def test_every_body_the_server_returns_is_valid_by_openais_spec(live):
     broken = [f"{what}: {v}" for what, name, body in bodies for v in violations(name, body)]
     assert len(bodies) > 60 and not broken, "\n".join(broken[:40])
     kinds = {name for _, name, _ in bodies}
-    assert len(kinds) == 7  # each response schema of the endpoints served was used
+    assert len(kinds) == 8  # each response schema of the endpoints served was used
     chunks = [b for what, name, b in bodies if name == "CreateChatCompletionStreamResponse"]
     assert any(c["choices"] and c["choices"][0]["delta"].get("tool_calls") for c in chunks)
     assert any(c["choices"] and c["choices"][0].get("logprobs") for c in chunks)
@@ -157,6 +175,10 @@ def test_every_body_the_server_returns_is_valid_by_openais_spec(live):
     assert whole["/v1/chat/completions tool call"]["choices"][0]["finish_reason"] == "tool_calls"
     assert whole["/v1/chat/completions plain"]["choices"][0]["message"]["refusal"] is None
     assert whole["/v1/chat/completions logprobs"]["choices"][0]["logprobs"]["refusal"] is None
+    echoed = whole["/v1/completions echo, logprobs, n=2"]["choices"]
+    assert [c["logprobs"]["token_logprobs"][0] for c in echoed] == [None, None]
+    assert violations("CreateCompletionResponse", whole["/v1/completions echo, max_tokens 0"])  # the one difference
+    assert not violations("CreateCompletionResponse", whole["/v1/completions logprobs"])
 
 
 def test_the_check_catches_what_the_spec_requires():
