@@ -263,7 +263,9 @@ def parse_sse(stream: str) -> list[str]:
 
 
 class _Tokens:
-    """A tokenizer with one byte string per token id (all token_logprobs needs)."""
+    """A tokenizer with one byte string per token id and no special tokens (all output_events needs)."""
+
+    special_ids = frozenset()
 
     def token_bytes(self, token_id: int) -> bytes:
         return {42: b"Par", 43: b"\xc3", 44: b"\xa9 is", 45: b".", 7: b"<|im_end|>"}.get(token_id, b"?")
@@ -290,8 +292,8 @@ def _events_ref(out: Output, reply, logprobs: bool, *, skip_empty=True, finish=T
     def choice(text, reason, lp):
         if not reply.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "delta": {"content": text}, "logprobs": None if lp is None else {"content": lp},
-                "finish_reason": reason}
+        return {"index": 0, "delta": {"content": text},
+                "logprobs": None if lp is None else {"content": lp, "refusal": None}, "finish_reason": reason}
 
     lp = [_lp(out)] if logprobs and with_logprobs and out.token_id is not None else None
     events = []
@@ -317,7 +319,7 @@ def output_events(fn) -> bool:
     """output_events(out, reply, tokenizer, logprobs) -> the SSE strings one engine Output sends."""
     def body():
         for chat in (True, False):
-            for logprobs in (False, True):
+            for logprobs in (False, True) if chat else (False,):  # a streamed completion refuses logprobs
                 for what, out in _OUTPUTS:
                     reply = _reply(chat)
                     name = (f"output_events({what}, {'chat' if chat else 'text'} completion, "
