@@ -43,10 +43,11 @@ def test_there_are_notebooks():
 
 
 def test_notebook_numbers_are_two_digits_and_unique():
+    """Lessons are 01_…, 02_…; optional appendices (the plumbing a lesson links to) are A1_…, A2_…."""
     numbers = []
     for path in NOTEBOOKS:
-        match = re.match(r"(\d{2})[_-]", path.name)
-        assert match, f"{path.name}: name must start with a two-digit number, e.g. 01_tensors.ipynb"
+        match = re.match(r"(\d{2}|A\d)[_-]", path.name)
+        assert match, f"{path.name}: name must start with a two-digit number (01_tensors.ipynb) or A and a digit (A1_untrusted_files.ipynb)"
         numbers.append(match.group(1))
     duplicates = sorted({n for n in numbers if numbers.count(n) > 1})
     assert not duplicates, f"notebook numbers used twice: {duplicates}"
