@@ -37,6 +37,7 @@ EXCEPTION_NOTE = re.compile(r"<!--\s*not from the run:(.*?)-->", re.S)
 
 def prose_numbers(markdown: str) -> list[str]:
     """The measured numbers of one markdown cell, as written (code spans and LaTeX skipped)."""
+    markdown = "\n".join(l for l in markdown.splitlines() if not l.startswith("**Time.**"))  # a reading estimate
     text = re.sub(r"```.*?```|`[^`]*`|\$\$.*?\$\$|\$[^$\n]*\$|<[^>]+>|\]\([^)]*\)", " ", markdown, flags=re.S)
     return [m.group(1) for m in NUMBER.finditer(text)]
 

@@ -4,7 +4,9 @@
   `make demo` alone; transformers and openai are test-only);
 - no notebook points at a file outside the repository;
 - every notebook has at least 45% of its source in markdown, and no lesson cell longer than 40
-  lines outside a "Plumbing" section (exercise markers and `#|` directives not counted).
+  lines outside a "Plumbing" section (exercise markers and `#|` directives not counted);
+- every notebook opens with learning goals, prerequisites and a time, and closes with three to
+  five key ideas (issue 44).
 """
 
 from __future__ import annotations
@@ -119,3 +121,27 @@ def lesson_cell_lengths(path: Path) -> list[tuple[int, str]]:
 def test_lesson_cells_are_small_steps(path):
     long = [(n, first) for n, first in lesson_cell_lengths(path) if n > MAX_LESSON_LINES]
     assert not long, f"{path.name}: lesson cells over {MAX_LESSON_LINES} lines (move checks to a Plumbing section, or split): {long}"
+
+
+GOALS = ("**Learning goals.**", "**Prerequisites.**", "**Time.**")
+
+
+@notebook_param
+def test_notebook_opens_with_goals_prerequisites_and_time(path):
+    """The cell after the title says what the student will understand, what it assumes and how long
+    it takes (reading and running), so a student can plan a session (issue 44)."""
+    markdown = [src for kind, src in cells(path) if kind == "markdown"]
+    opening = markdown[0] + "\n" + (markdown[1] if len(markdown) > 1 else "")
+    missing = [g for g in GOALS if g not in opening]
+    assert not missing, f"{path.name}: the opening (title cell or the one after) lacks {missing}"
+
+
+@notebook_param
+def test_notebook_closes_with_three_to_five_key_ideas(path):
+    """A `## Key ideas` section near the end: three to five ideas to keep, in words."""
+    sources = cells(path)
+    found = [i for i, (kind, src) in enumerate(sources) if kind == "markdown" and src.startswith("## Key ideas")]
+    assert len(found) == 1, f"{path.name}: want one '## Key ideas' cell, found {len(found)}"
+    bullets = [l for l in sources[found[0]][1].splitlines() if re.match(r"[-*] |\d+\. ", l)]
+    assert 3 <= len(bullets) <= 5, f"{path.name}: Key ideas has {len(bullets)} bullets, want 3 to 5"
+    assert found[0] >= len(sources) - 6, f"{path.name}: Key ideas is cell {found[0]} of {len(sources)}, want it among the last"
