@@ -3,11 +3,11 @@
 """Sampling: logits processors, seeded sampling with logprobs, and beam search.
 
 Built in notebooks/09_sampling.ipynb, which explains each step; tests/runtime/test_sampling.py checks
-every processor against transformers' LogitsProcessors and the sampler's histograms against
-the target distribution.
+every processor transformers also has against its LogitsProcessors, and the sampler's histograms
+against the target distribution.
 
-Order of processing (the order transformers applies them): penalties, temperature, top-k,
-top-p, min-p, typical. Every processor maps (B, V) logits to (B, V) logits, with removed
+Order of processing: logit_bias first (as vLLM), then the order transformers applies them:
+penalties, temperature, top-k, top-p, min-p, typical. Every processor maps (B, V) logits to (B, V) logits, with removed
 tokens set to -inf. V is the vocabulary size, B the batch.
 
 References:
@@ -61,6 +61,29 @@ def _check(name: str, value, ok: bool, expected: str) -> None:
 
 def _is_real(x) -> bool:
     return is_number(x) and math.isfinite(x)
+
+
+def _validate_penalty_args(B: int, token_ids, repetition_penalty, presence_penalty, frequency_penalty,
+                        prompt_lengths) -> None:
+    """apply_penalties' argument checks, each naming the argument and its value."""
+    _check("repetition_penalty", repetition_penalty, _is_real(repetition_penalty) and repetition_penalty > 0, "> 0")
+    _check("presence_penalty", presence_penalty, _is_real(presence_penalty), "a finite number")
+    _check("frequency_penalty", frequency_penalty, _is_real(frequency_penalty), "a finite number")
+    _check("token_ids", f"{len(token_ids)} rows", len(token_ids) == B, f"one list per logits row ({B} rows)")
+    if prompt_lengths is not None:
+        _check("prompt_lengths", f"{len(prompt_lengths)} entries", len(prompt_lengths) == B, f"one per row ({B})")
+
+
+def _validate_beam_args(num_beams, max_new_tokens, length_penalty) -> None:
+    _check("num_beams", num_beams, is_int(num_beams) and num_beams >= 1, "an int >= 1")
+    _check("max_new_tokens", max_new_tokens, is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1")
+    _check("length_penalty", length_penalty, _is_real(length_penalty), "a finite number")
+
+
+def _validate_step_logits(logits: torch.Tensor, rows: int) -> None:
+    """step_fn's logits: valid logits, one row per running sequence."""
+    _validate_logits(logits, "step_fn logits")
+    _check("step_fn logits", f"{logits.shape[0]} rows", logits.shape[0] == rows, f"one row per sequence ({rows})")
 
 
 def apply_temperature(logits: torch.Tensor, t: float) -> torch.Tensor:
@@ -159,17 +182,6 @@ def apply_penalties(
             out[b] -= torch.where(seen, presence_penalty + frequency_penalty * counts, torch.zeros_like(counts))
             out[b].clamp_(max=torch.finfo(out.dtype).max)  # a huge negative penalty: the largest float, not +inf
     return out
-
-
-def _validate_penalty_args(B: int, token_ids, repetition_penalty, presence_penalty, frequency_penalty,
-                        prompt_lengths) -> None:
-    """apply_penalties' argument checks, each naming the argument and its value."""
-    _check("repetition_penalty", repetition_penalty, _is_real(repetition_penalty) and repetition_penalty > 0, "> 0")
-    _check("presence_penalty", presence_penalty, _is_real(presence_penalty), "a finite number")
-    _check("frequency_penalty", frequency_penalty, _is_real(frequency_penalty), "a finite number")
-    _check("token_ids", f"{len(token_ids)} rows", len(token_ids) == B, f"one list per logits row ({B} rows)")
-    if prompt_lengths is not None:
-        _check("prompt_lengths", f"{len(prompt_lengths)} entries", len(prompt_lengths) == B, f"one per row ({B})")
 
 
 def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -390,15 +402,3 @@ def beam_search(
         if len(finished) == num_beams or not running:
             break
     return finished
-
-
-def _validate_beam_args(num_beams, max_new_tokens, length_penalty) -> None:
-    _check("num_beams", num_beams, is_int(num_beams) and num_beams >= 1, "an int >= 1")
-    _check("max_new_tokens", max_new_tokens, is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1")
-    _check("length_penalty", length_penalty, _is_real(length_penalty), "a finite number")
-
-
-def _validate_step_logits(logits: torch.Tensor, rows: int) -> None:
-    """step_fn's logits: valid logits, one row per running sequence."""
-    _validate_logits(logits, "step_fn logits")
-    _check("step_fn logits", f"{logits.shape[0]} rows", logits.shape[0] == rows, f"one row per sequence ({rows})")
