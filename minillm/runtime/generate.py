@@ -165,7 +165,12 @@ class Completion:
 def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
            params: SamplingParams = SamplingParams(temperature=0), max_new_tokens: int = 256,
            stop: Sequence[str] = (), eos_token_ids: Sequence[int] | None = None, constraint=None) -> Iterator[Step]:
-    """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics."""
+    """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics.
+
+    After the set-up: prefill the prompt into `cache` at position 0, then until `text_stream.push` gives a
+    finish reason, sample (after `apply_constraints` for a `constraint`), push the token, decode it at its
+    position. Metrics: `generation_metrics` of `synchronized_time(device)` at the start, after the
+    prefill, at the first token and at the end."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
     prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size, params)
