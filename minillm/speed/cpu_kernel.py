@@ -1,8 +1,8 @@
-# Generated from notebooks/15_performance.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/A4_a_cpu_kernel.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """int4 and int8 matrix products on int8 activations, llama.cpp's way, in a small C++ kernel.
 
-Built in notebooks/15_performance.ipynb ("An int4 kernel of our own"). The activations are quantized
+Built in notebooks/A4_a_cpu_kernel.ipynb, the appendix of notebook 15. The activations are quantized
 to int8 per block of 32, so the inner loop is an integer dot product of 32 weight nibbles with 32
 int8 values; per block, y += d * dx * dot(q, qx) + m * dx * sum(qx) for weights w = d * q + m.
 The int4 weights lie in tiles of 16 rows, one vector lane per row, so that one loop serves a decode

@@ -1,8 +1,8 @@
-# Generated from notebooks/15_performance.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/A4_a_cpu_kernel.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """The C++ source of minillm's CPU kernel, as strings: minillm/speed/cpu_kernel.py compiles and loads it.
 
-Built step by step in notebooks/15_performance.ipynb ("An int4 kernel of our own"): int8
+Built step by step in notebooks/A4_a_cpu_kernel.ipynb (the appendix of notebook 15): int8
 activations, one vector lane per weight row, integer dot products, several activation rows per
 weight load, the torch ops.
 """
