@@ -91,6 +91,8 @@ from minillm.check.serving import (
     top_p_filter,
 )
 from minillm.check.lora import explore_adapter_megabytes, multi_lora_linear_forward
+from minillm.check import performance as check_performance
+from minillm.check.performance import decode_bytes, explore_h200_crossover_batch
 from minillm.check.speculative import accept_sampled, explore_lookup_forwards_saved
 
 __all__ = [
@@ -105,6 +107,7 @@ __all__ = [
     "explore_mlp_share_of_model", "explore_sequences_that_fit", "explore_attention_crossover_tokens",
     "explore_qwen7b_bytes", "explore_chinese_share", "accept_sampled", "explore_lookup_forwards_saved", "EXPLORE",
     "multi_lora_linear_forward", "explore_adapter_megabytes",
+    "decode_bytes", "explore_h200_crossover_batch",
     "admit", "preempt_seq", "make_room", "explore_speedup_16", "output_events", "explore_text_share",
     "CheckFailed", "CHECKS", "check_namespace", "check_path", "grade", "main",
 ]
@@ -127,11 +130,13 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "StopStrings.push": stop_strings_push, "greedy_decode": greedy_decode, "stream": stream,
     "admit": admit, "preempt_seq": preempt_seq, "make_room": make_room, "output_events": output_events,
     "accept_sampled": accept_sampled, "MultiLoRALinear.forward": multi_lora_linear_forward,
+    "decode_bytes": decode_bytes,
 }
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
 EXPLORE: dict[str, Callable[[object], bool]] = {**check_explore.EXPLORE, **check_engine.EXPLORE,
-                                                 **validate_speculative.EXPLORE, **check_lora.EXPLORE}
+                                                 **validate_speculative.EXPLORE, **check_lora.EXPLORE,
+                                                 **check_performance.EXPLORE}
 """Exploration name (the answer's variable) -> its check, which takes the number (check.explore_<name>)."""
 
 _EXPORT = re.compile(r"^#\|\s*export")
