@@ -2,21 +2,15 @@
 
 """The paged KV cache: keys and values in fixed-size blocks, shared between sequences by prefix.
 
-Built in notebooks/11_paged_cache.ipynb, after vLLM's PagedAttention (Kwon et al., "Efficient
-Memory Management for Large Language Model Serving with PagedAttention", SOSP 2023) and the
-block manager of nano-vllm, in plain PyTorch.
-
-Each layer keeps a pool of blocks, k and v of shape (num_blocks, block_size, Hkv, D)
-(`PagedKVCache`). A pure-Python `BlockManager` hands blocks to sequences, built in three stages
-(each a class the next one extends): `BlockPool` and `BlockAllocator` (a free list, reference
-counts, a block table per sequence), `PrefixCache` and `PrefixCachingAllocator` (prefix caching
-by a chained hash of each full block's tokens), `BlockManager` (copy-on-write for a shared block
-that must change). Token `p` of a sequence lives in slot
-`table[p // block_size] * block_size + p % block_size` of the flattened pool. `batch_layout`
-turns the block tables of a batch into index tensors, and `PagedView` is what the model sees as
-`cache[i]`: it writes the new keys/values into their slots and gathers each sequence's
-keys/values into a dense, right-aligned (B, Hkv, S, D) batch (a copy per layer per step).
-minillm/cache/paged_attention.py, from the same notebook, reads the blocks where they lie instead.
+Built in notebooks/11_paged_cache.ipynb, after vLLM's PagedAttention (Kwon et al., SOSP 2023) and
+the block manager of nano-vllm, in plain PyTorch. Each layer keeps a pool of blocks, k and v of shape
+(num_blocks, block_size, Hkv, D) (`PagedKVCache`). The pure-Python `BlockManager` is built in three
+stages, each class extending the one before: `BlockPool`/`BlockAllocator` (free list, reference
+counts, block tables), `PrefixCache`/`PrefixCachingAllocator` (each full block named by a chained
+hash of its tokens), `BlockManager` (copy-on-write). Token `p` of a sequence lives in slot
+`table[p // block_size] * block_size + p % block_size` of the flattened pool. `batch_layout` and
+`PagedView` give the model a dense, right-aligned copy of each sequence's keys and values per layer
+per step; minillm/cache/paged_attention.py reads the blocks where they lie instead.
 
 Shape legend: B batch, T new tokens, S keys, Hkv kv heads, D head dim, N blocks, bs block size.
 """

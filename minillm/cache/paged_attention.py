@@ -2,26 +2,18 @@
 
 """Paged attention: attention that reads each sequence's keys and values where they lie, block by block.
 
-Built in notebooks/11_paged_cache.ipynb. `PagedView.update` gathers a sequence's blocks into one
-dense tensor before attention; here the softmax is computed one block at a time instead, keeping
-per query a running maximum, a running sum of exponentials and a running weighted sum of values
-(`SoftmaxState`), rescaled whenever a block raises the maximum (`fold_block`). The result is exact,
-and only one block's scores exist at a time. This is the recurrence of FlashAttention, and the
-loop that vLLM's paged-attention kernel runs over a block table; `paged_attention_reference` is
-its readable version in torch (a Python loop over blocks: a reference, not a fast path).
-The fast path hands the same loop to PyTorch's FlexAttention: `decode_layout` describes a decode
-step as a block mask (each row visits the pool blocks of its block table, and a mask_mod drops
-the unused slots of its last block), and `BlockTableView.attend` runs the compiled kernel over
-the whole pool, which every row sees through a stride-0 view. `use_paged_attention` says whether
-that kernel runs (and is exact) on the model's device; the engine gathers where it does not.
+Built in notebooks/11_paged_cache.ipynb. The softmax is folded in one block at a time, keeping per
+query a running maximum, sum of exponentials and weighted sum of values (`SoftmaxState`, `fold_block`):
+exact, the recurrence of FlashAttention and of vLLM's paged kernel. `paged_attention_reference` is
+its readable loop. The fast path hands the loop to FlexAttention: `decode_layout` describes a decode
+step as a block mask over the pool, `BlockTableView.attend` runs the compiled kernel, and
+`use_paged_attention` probes whether that kernel runs (and is exact) on a device; the engine gathers
+where it does not.
 
-References:
-- Milakov and Gimelshein, "Online normalizer calculation for softmax" (2018).
-- Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness" (2022).
-- Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention"
-  (SOSP 2023).
-- Dong et al., "Flex Attention: A Programming Model for Generating Optimized Attention Kernels"
-  (2024), and the `torch.nn.attention.flex_attention` documentation.
+References: Milakov and Gimelshein, "Online normalizer calculation for softmax" (2018); Dao et al.,
+"FlashAttention" (2022); Kwon et al., "Efficient Memory Management for Large Language Model Serving
+with PagedAttention" (SOSP 2023); Dong et al., "Flex Attention: A Programming Model for Generating
+Optimized Attention Kernels" (2024), and the `torch.nn.attention.flex_attention` documentation.
 
 Shape legend: B batch, H query heads, Hkv kv heads, G = H / Hkv query heads per kv head,
 T queries, n keys in a block, D head dim, N pool blocks, bs block size.
@@ -105,10 +97,10 @@ class DecodeLayout:
 def decode_layout(manager: BlockManager, seq_ids: list, pool_blocks: int, device=None) -> DecodeLayout:
     """One decode step over `seq_ids`, whose keys lie in a pool of `pool_blocks` blocks."""
     bs, B = manager.block_size, len(seq_ids)
-    R = max(B, 2)  # rows of the block mask: a lone sequence gets a dummy second row (see above)
+    R = max(B, 2)  # rows of the block mask: a lone sequence gets a dummy second row (notebook 11's Plumbing)
     tables = [manager.block_table(s) for s in seq_ids]
     lengths = [manager.num_tokens(s) for s in seq_ids]
-    kb = next(n for n in (4, 2, 1) if bs % n == 0)  # the kernel's key block: 4 slots or fewer (see above)
+    kb = next(n for n in (4, 2, 1) if bs % n == 0)  # the kernel's key block: 4 slots or fewer (notebook 11's Plumbing)
     f = bs // kb                                     # key blocks per pool block
     full = torch.zeros(R, 1, 1, pool_blocks * f, dtype=torch.int32)  # (R, heads, query blocks, key blocks)
     num_full = torch.zeros(R, 1, 1, dtype=torch.int32)               # how many (0 in the dummy row)
