@@ -2,8 +2,7 @@
 
 """How close a changed model stays to the original: perplexity, KL divergence, greedy agreement.
 
-Built in notebooks/13_quantization.ipynb to measure the quantized formats against float32; any
-two models with the same vocabulary can be compared this way (the fast path of notebook 15 too).
+Built in notebooks/13_quantization.ipynb; compares any two models with the same vocabulary.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def greedy_tokens(model: nn.Module, tokenizer, prompt_ids: Sequence[int], n: int
 
 @torch.no_grad()
 def forced_choices(model: nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int]) -> list[int]:
-    """The model's greedy choice at each position of `continuation`, fed the prompt and the
-    continuation itself (teacher forcing): one forward instead of len(continuation) steps."""
+    """The greedy choice at each position of `continuation`, fed it (teacher forcing): one forward."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids) + list(continuation)], device=device)  # (1, T)
     logits = model(ids)[0, len(prompt_ids) - 1: -1]  # (n, V): predictions of the continuation's tokens
@@ -62,10 +60,7 @@ def forced_choices(model: nn.Module, prompt_ids: Sequence[int], continuation: Se
 
 
 def greedy_agreement(reference: Sequence[int], tokens: Sequence[int]) -> int:
-    """How many leading tokens two greedy runs share (after the first difference, contexts differ).
-
-    With tokens = forced_choices(model, prompt, reference) this is the length a free-running greedy
-    run of `model` would match `reference`: until its first different choice it saw the same context."""
+    """How many leading tokens two greedy runs share; with forced_choices, a free run's agreement."""
     same = 0
     for a, b in zip(reference, tokens):
         if a != b:

@@ -2,22 +2,17 @@
 
 """Weight-only quantization: int8 per channel, int4 per group, and GGUF's Q8_0 / Q4_0 / Q4_1 blocks.
 
-Built in notebooks/13_quantization.ipynb, which derives the formulas, measures the error of each
-scale granularity and the quality of SmolLM2 in each format. Weights are stored in 8 or 4 bits
-with a float scale (and, for int4, a zero point) per output channel or per group of inputs;
-activations stay in floating point. Each quantized linear has a `reference` path (dequantize,
-then `F.linear`) and a `packed` path (torch's weight-only int8/int4 matmul kernels, CPU only in
-this torch; they run on bf16 activations, ~10-25x faster than on fp32 ones).
+Built in notebooks/13_quantization.ipynb. Weights are stored in 8 or 4 bits with a float scale
+(and, for int4, a zero) per output channel or per group of inputs; activations stay in floating
+point. A quantized linear has a `reference` path (dequantize, then `F.linear`) and a `packed` path
+(torch's weight-only int8/int4 CPU kernels, fast on bf16 activations).
 
-Shape legend: N output features (rows of a weight), K input features, g group size, M rows of
-activations (B*T flattened), V vocab, h hidden.
+Shapes: N output features, K input features, g group size, M rows of activations (B*T), V vocab,
+h hidden.
 
-References:
-- Dettmers et al., LLM.int8() (arXiv:2208.07339): absmax quantization and the outlier argument.
-- Frantar et al., GPTQ (arXiv:2210.17323) and gpt-fast's quantize.py: group-wise int4 on
-  torch's packed kernels, w ≈ (q - 8) * scale + zero.
-- ggml's block_q8_0 / block_q4_0 / block_q4_1 (ggml-quants.c) and the `gguf` package's
-  gguf/quants.py, the reference for the block layouts.
+References: LLM.int8() (arXiv:2208.07339; its outliers are activations'); GPTQ (arXiv:2210.17323)
+and gpt-fast's quantize.py for int4 on torch's kernels; ggml-quants.c and gguf-py's quants.py for
+the block layouts.
 """
 
 from __future__ import annotations
@@ -235,7 +230,7 @@ class Int4Linear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             if self.kernel == "reference":
                 return F.linear(x, self.dequantize().to(x.dtype), bias)
-            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K); fp32 input is ~25x slower
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K); fp32 input is many times slower
             sz = self.scales_and_zeros.to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, sz)  # (M, N)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -250,9 +245,7 @@ class Int4Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """An embedding table as int8 rows and one scale per row: lookup = q[ids] * scale[ids].
-
-    The output dtype is the scales' dtype, so it follows model.to(dtype)."""
+    """An embedding table as int8 rows, one scale per row (its dtype is the output's)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
         super().__init__()
@@ -278,9 +271,7 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
 
 
 def int8_table(weight: torch.Tensor, kernel: str = "auto") -> tuple[Int8Embedding, Int8Linear]:
-    """One int8 copy of an embedding table (V, h), per-row scales, as a lookup and as a tied head.
-
-    Head row v = embedding row v, so per output channel of the head = per row of the table."""
+    """One int8 copy of an embedding table (V, h), per-row scales, as a lookup and as a tied head."""
     q, s = quantize_int8(weight, "model.embed_tokens.weight")
     return Int8Embedding(q, s.to(weight.dtype)), Int8Linear(q, s, kernel=kernel)
 
@@ -304,11 +295,8 @@ def quantize_linear(linear: nn.Linear, mode: str | None, group_size: int = 32, n
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32, kernel: str = "auto") -> nn.Module:
-    """Replace a CausalLM's linears (q/k/v/o, gate/up/down, lm head) by Int8Linear or Int4Linear, in place.
-
-    The embedding becomes int8 rows (Int8Embedding); a tied head shares that int8 table in both modes
-    (as llama.cpp keeps token_embd at Q8_0). Every layer is checked before any is replaced, so a bad
-    group size leaves the model as it was."""
+    """Replace a CausalLM's linears and head by Int8Linear or Int4Linear, in place; the embedding
+    becomes int8 rows, shared by a tied head. Every layer is checked before any is replaced."""
     _validate_quantizable(model, mode, group_size, kernel)
     for name, parent, attr in _linears(model):
         setattr(parent, attr, quantize_linear(getattr(parent, attr), mode, group_size, name, kernel))
@@ -405,10 +393,8 @@ def gguf_linear(raw: torch.Tensor, shape: Sequence[int], qtype: str, kernel: str
 def load_gguf_quantized(path: str | Path, kernel: str = "auto") -> nn.Module:
     """A CausalLM (CPU) from a GGUF file whose Q4_0/Q4_1/Q8_0 linears stay quantized in memory.
 
-    The file is checked by minillm.weights.loading first (a type gguf-py cannot decode: WeightsError).
-    Q4_0/Q4_1 -> Int4Linear, Q8_0 -> Int8Linear (GGUF_BLOCKS, decoded here); every other type gguf-py
-    decodes (Q5_0, the K-quants, IQ*, F16, ...) is dequantized to a float32 nn.Linear: no kernel for it.
-    The embedding becomes int8 rows, shared with a tied head."""
+    Every other type gguf-py decodes (Q5_0, the K-quants, ...) becomes a float32 nn.Linear; the
+    embedding becomes int8 rows, shared with a tied head. The file is checked first (WeightsError)."""
     path = Path(path)
     config, shapes, infos = open_gguf(path)  # every count, offset, type and block size checked
     model = validate_names_and_shapes(config, shapes, str(path))  # on the meta device: no memory yet
