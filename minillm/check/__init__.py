@@ -25,7 +25,7 @@ check_lora.py (19) and check_first_versions.py (the lessons' first versions in 0
 naive_attention, greedy_decode, fake_quant). The exploration tasks' checks (check.explore_<name>, named in EXPLORE,
 not in CHECKS: they take a measured number and run in the notebook) are in minillm/check/explore.py
 (counts and bytes), check_engine.py (12 and 14: measurements), validate_speculative.py (17) and
-check_lora.py (19). All run on the harness of minillm/check/harness.py;
+check_lora.py (19); minillm/check/structured.py and parallel.py hold notebook 18's and 20's stubs and explorations. All run on the harness of minillm/check/harness.py;
 this module names them (CHECKS, EXPLORE) and runs them.
 """
 
@@ -44,6 +44,7 @@ from pathlib import Path
 from collections.abc import Callable
 
 from minillm.check import engine as check_engine, explore as check_explore, lora as check_lora, speculative as validate_speculative
+from minillm.check import parallel as check_parallel, structured as check_structured
 from minillm.check.engine import (admit, explore_speedup_16, explore_text_share, make_room, output_events,
                                   preempt_seq)
 from minillm.check.explore import (
@@ -93,6 +94,8 @@ from minillm.check.serving import (
 from minillm.check.lora import explore_adapter_megabytes, multi_lora_linear_forward
 from minillm.check import performance as check_performance
 from minillm.check.performance import decode_bytes, explore_h200_crossover_batch
+from minillm.check.parallel import explore_kv_bytes_per_token_tp4, split_kv_heads
+from minillm.check.structured import explore_allowed_after_twelve, vocabulary_allowed
 from minillm.check.speculative import accept_sampled, explore_lookup_forwards_saved
 
 __all__ = [
@@ -108,6 +111,7 @@ __all__ = [
     "explore_qwen7b_bytes", "explore_chinese_share", "accept_sampled", "explore_lookup_forwards_saved", "EXPLORE",
     "multi_lora_linear_forward", "explore_adapter_megabytes",
     "decode_bytes", "explore_h200_crossover_batch",
+    "split_kv_heads", "explore_kv_bytes_per_token_tp4", "vocabulary_allowed", "explore_allowed_after_twelve",
     "admit", "preempt_seq", "make_room", "explore_speedup_16", "output_events", "explore_text_share",
     "CheckFailed", "CHECKS", "check_namespace", "check_path", "grade", "main",
 ]
@@ -131,12 +135,14 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "admit": admit, "preempt_seq": preempt_seq, "make_room": make_room, "output_events": output_events,
     "accept_sampled": accept_sampled, "MultiLoRALinear.forward": multi_lora_linear_forward,
     "decode_bytes": decode_bytes,
+    "Split.kv_heads": split_kv_heads, "Vocabulary.allowed": vocabulary_allowed,
 }
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
 EXPLORE: dict[str, Callable[[object], bool]] = {**check_explore.EXPLORE, **check_engine.EXPLORE,
                                                  **validate_speculative.EXPLORE, **check_lora.EXPLORE,
-                                                 **check_performance.EXPLORE}
+                                                 **check_parallel.EXPLORE, **check_performance.EXPLORE,
+                                                 **check_structured.EXPLORE}
 """Exploration name (the answer's variable) -> its check, which takes the number (check.explore_<name>)."""
 
 _EXPORT = re.compile(r"^#\|\s*export")

@@ -95,6 +95,9 @@ def _calls(ns: dict) -> dict:
                                       None),
         "MultiLoRALinear.forward": lambda cls: cls(torch.nn.Linear(2, 3), torch.zeros(2, 1, 2), torch.zeros(2, 3, 1),
                                                    SimpleNamespace(ids=torch.tensor([1])))(torch.ones(1, 1, 2)),
+        "Split.kv_heads": lambda cls: cls(check_parallel._config(4, 2), 0, 2).kv_heads,
+        "Vocabulary.allowed": lambda cls: cls(check_structured._tokenizer(), 3).allowed(
+            DFA(check_structured.PATTERNS["a b* }"][0]), 0),
     }
 
 
@@ -618,6 +621,54 @@ LORA_PLANTED = [
 ]
 
 
+# ---------------------------------------------------------------- notebook 18: the trie walk (minillm/check/structured.py)
+
+from minillm.check import structured as check_structured  # noqa: E402
+from minillm.text import constrained
+from minillm.text.grammar import DFA
+
+
+def _walk_variant(old: str, new: str, label: str):
+    return _variant(constrained.Vocabulary, old, new, label)
+
+
+_WALK_ADD = """                if t != DFA.DEAD:
+                    found.extend(child[1])
+                    todo.append((child, t))"""
+STRUCTURED_PLANTED = [
+    ("Vocabulary.allowed", _walk_variant("t = dfa.step(s, b)", "t = dfa.step(s, b) if children is self.root[0] else s",
+                                         "walk_first_byte_only"), "not just the first"),
+    ("Vocabulary.allowed", _walk_variant("[(self.root, state)]", "[(self.root, dfa.start)]", "walk_from_start"),
+     "not from dfa.start"),
+    ("Vocabulary.allowed", _walk_variant("found.extend(child[1])", "found.extend([] if child[0] else child[1])",
+                                         "walk_leaves_only"), "not only the leaves"),
+    ("Vocabulary.allowed", _walk_variant(_WALK_ADD, """                found.extend(child[1])
+                if t != DFA.DEAD:
+                    todo.append((child, t))""", "walk_adds_before_the_step"), "alive after reading the child's byte"),
+]
+
+
+# ---------------------------------------------------------------- notebook 20: a rank's KV heads (minillm/check/parallel.py)
+
+from minillm.check import parallel as check_parallel  # noqa: E402
+from minillm.parallel import tensor_parallel
+
+
+def _split_variant(old: str, new: str, label: str):
+    return _variant(tensor_parallel.Split, old, new, label)
+
+
+PARALLEL_PLANTED = [
+    ("Split.kv_heads", _split_variant("first = self.rank * Hkv // self.world", "first = self.rank % Hkv", "kv_modulo"),
+     "not rank % Hkv"),
+    ("Split.kv_heads", _split_variant("if Hkv >= self.world:", "if True:", "kv_not_replicated"), "Hkv // N is 0"),
+    ("Split.kv_heads", _split_variant("return slice(first, first + 1)", "return slice(0, Hkv)", "kv_all_heads"),
+     "not every KV head"),
+    ("Split.kv_heads", _split_variant("n = Hkv // self.world", "n = self.config.num_attention_heads // self.world",
+                                      "kv_query_heads"), "not the query heads"),
+]
+
+
 # ---------------------------------------------------------------- the reference passes
 
 REFERENCE = {
@@ -636,6 +687,8 @@ REFERENCE = {
     **FIRST_REFERENCE,
     "accept_sampled": speculative.accept_sampled,
     "MultiLoRALinear.forward": lora.MultiLoRALinear,
+    "Split.kv_heads": tensor_parallel.Split,
+    "Vocabulary.allowed": constrained.Vocabulary,
 }
 
 
@@ -838,6 +891,8 @@ PLANTED = [
     *FIRST_PLANTED,
     *SPECULATIVE_PLANTED,
     *LORA_PLANTED,
+    *PARALLEL_PLANTED,
+    *STRUCTURED_PLANTED,
 ]
 
 
@@ -1161,12 +1216,17 @@ EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of 
     "lookup_forwards_saved": (validate_speculative.lookup_forwards_saved(), 1 - validate_speculative.lookup_forwards_saved(),
                               "share of forwards run"),
     "adapter_megabytes": (check_lora.adapter_megabytes(), check_lora.adapter_megabytes(gqa=False), "3 KV heads"),
+    "kv_bytes_per_token_tp4": (check_parallel.kv_bytes_per_token_tp4(),
+                               check_parallel.kv_bytes_per_token_tp4(replicate=False), "whole KV heads"),
+    "allowed_after_twelve": (check_structured.allowed_after_twelve(),
+                             check_structured.allowed_after_twelve(maximum=False), "may not pass it"),
 }
 MEASURED = {"speedup_16", "text_share"}  # measurements on this machine: test_explorations_accept_plausible_numbers
 
 
 def test_every_exploration_has_a_reference():
-    assert set(EXPLORE_REFERENCE) == set(check_explore.EXPLORE) | set(validate_speculative.EXPLORE) | set(check_lora.EXPLORE)
+    assert set(EXPLORE_REFERENCE) == (set(check_explore.EXPLORE) | set(validate_speculative.EXPLORE) | set(check_lora.EXPLORE)
+                                      | set(check_parallel.EXPLORE) | set(check_structured.EXPLORE))
     assert MEASURED == set(check_engine.EXPLORE)
     assert set(check.EXPLORE) == set(EXPLORE_REFERENCE) | MEASURED  # one registry
     for name, explore in check.EXPLORE.items():
