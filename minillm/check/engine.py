@@ -14,7 +14,7 @@ import json
 from collections import deque
 from functools import partial
 
-from minillm.check.harness import bounded, fail, run_check, run_explore
+from minillm.check.harness import bounded, close_to, fail, run_check, run_explore
 from minillm.runtime.engine import FINISHED, RUNNING, WAITING, Output, Sequence
 from minillm.serve.openai_protocol import Reply
 from minillm.cache.paged import BlockManager
@@ -222,14 +222,24 @@ def make_room(fn) -> bool:
     return _trace_check("make_room", fn, lambda f: (_admit_ref, f or _make_room_ref), _MAKE_ROOM_MISTAKES)
 
 
-def explore_speedup_16(speedup_16) -> bool:
+def explore_speedup_16(speedup_16, rates: dict | None = None) -> bool:
     """Exploration (notebook 12): the engine's throughput with 16 concurrent requests over that with 1.
 
-    A measurement, so the check asks for a plausible number: more than 1 (a decode step for 16 reads
-    the weights once, as for 1) and at most about 16 (each request still needs its own arithmetic)."""
+    rates: the notebook's measurements, {concurrent requests: tokens/s}. The check computes the reference
+    from them and accepts 1% either way, naming the likely slip. Without them (a measurement it cannot
+    see) it asks for a plausible number: more than 1 and at most about 16."""
     def body():
         if not is_number(speedup_16):
             fail(f"speedup_16 is {speedup_16!r}, expected a number (tokens/s at 16 requests over tokens/s at 1)")
+        if rates is not None:
+            want = rates[16] / rates[1]
+            close_to("speedup_16", speedup_16, want, rel=0.01, mistakes=[
+                ("divide the throughput at 16 requests by the throughput at 1, not the reverse", 1 / want),
+                ("that is per request: the question asks for all 16 requests' tokens per second together", want / 16),
+                *[(f"compare 16 requests with 1, not {n} with 1", rates[n] / rates[1]) for n in rates if n not in (1, 16)],
+                *[(f"compare 16 requests with 1, not with {n}", rates[16] / rates[n]) for n in rates if n not in (1, 16)],
+            ], hint="the ratio of two entries of the measured rates: the one at 16 over the one at 1")
+            return
         if speedup_16 < 1:
             fail(f"speedup_16 = {speedup_16:.3g}, below 1",
                  "divide the throughput at 16 requests by the throughput at 1, not the reverse" if speedup_16 > 0 else None)
