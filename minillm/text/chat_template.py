@@ -1,10 +1,11 @@
-# Generated from notebooks/07_tokenizer.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/A2_template_sandbox.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Chat templates: Jinja rendered in jinja2's sandbox, with limits on time and size.
 
-Built in notebooks/07_tokenizer.ipynb. A template is code written by a model's author and runs on
-every request, so it runs where it cannot reach Python internals (the sandbox), for at most
-TEMPLATE_SECONDS, and with its output and any string or list it builds under TEMPLATE_CHARS.
+Built in notebooks/A2_template_sandbox.ipynb, the appendix of notebook 07. A template is code
+written by a model's author and runs on every request, so it runs where it cannot reach Python
+internals (the sandbox), for at most TEMPLATE_SECONDS, and with its output and any string or list
+it builds under TEMPLATE_CHARS.
 The helpers (`raise_exception`, `tojson`, `strftime_now`) are transformers' apply_chat_template's.
 """
 

@@ -201,22 +201,6 @@ def _special_ids(backend: BackendTokenizer) -> frozenset[int]:
     return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
 
-def _validate_text(text: Any) -> str:
-    """`text` itself, or TypeError if it is not a str."""
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
-    return text
-
-
-def _validate_ids(ids: Iterable[int], vocab_size: int, source: str) -> list[int]:
-    """`ids` as a list of ints, or ValueError/TypeError naming the first bad one."""
-    out = [operator.index(i) for i in ids]  # TypeError for floats, strings
-    bad = next((i for i in out if not 0 <= i < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"token id {bad} is out of range for {source} (vocab_size {vocab_size})")
-    return out
-
-
 class _ByteLevelBPE:
     """Text <-> token ids through a byte-level BPE `tokenizers.Tokenizer` (the backend), or a SentencePiece one."""
 
@@ -257,36 +241,87 @@ class _ByteLevelBPE:
         return self.backend.id_to_token(token_id)
 
 
-# Qwen2.5-Instruct's template for plain chats (no tools).
-QWEN_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if loop.first and message['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+def _validate_text(text: Any) -> str:
+    """`text` itself, or TypeError if it is not a str."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return text
 
 
-def _qwen_parts(path: Path) -> dict[str, Any]:
-    """Tokenizer's arguments for Qwen2/2.5, from its rank file: merges recovered, Qwen's regex and NFC,
-    its 22 added tokens after the ranks, ChatML's template and end ids."""
-    ranks = load_tiktoken_ranks(path)
-    vocab = {spell(token): rank for token, rank in ranks.items()}
-    merges = [(spell(a), spell(b)) for a, b in merges_from_ranks(ranks)]
-    backend = _backend(vocab, merges, split_pre_tokenizer(QWEN_PATTERN), normalizers.NFC())
-    _add_tokens(backend, special=QWEN_ADDED_TOKENS[:QWEN_NUM_SPECIAL], plain=QWEN_ADDED_TOKENS[QWEN_NUM_SPECIAL:])
-    assert backend.token_to_id(QWEN_ADDED_TOKENS[0]) == len(ranks)  # 151643 for Qwen's file
-    end_ids = [backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")]
-    return dict(backend=backend, chat_template=QWEN_CHAT_TEMPLATE, eos_token="<|im_end|>", eos_token_ids=end_ids,
-                source=str(path))
+def _validate_ids(ids: Iterable[int], vocab_size: int, source: str) -> list[int]:
+    """`ids` as a list of ints, or ValueError/TypeError naming the first bad one."""
+    out = [operator.index(i) for i in ids]  # TypeError for floats, strings
+    bad = next((i for i in out if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is out of range for {source} (vocab_size {vocab_size})")
+    return out
 
 
-def _end_ids(backend: BackendTokenizer, eos_token: str | None, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
-    """The ids that end a reply: those given, else the eos token's; unknown ones (None) dropped, each once."""
-    ids = list(eos_token_ids) or ([backend.token_to_id(eos_token)] if eos_token else [])
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
+def _gguf_tokenizer_meta(path: Path) -> dict[str, Any]:
+    """A GGUF file's `tokenizer.*` metadata, checked: byte-level BPE ('gpt2': tokens, merges, a pre-tokenizer
+    we know) or SentencePiece ('llama': tokens, scores); ValueError naming the file and the key otherwise."""
+    try:
+        meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
+    except (UnicodeDecodeError, IndexError, TypeError) as exc:  # the values are decoded here, not when opened
+        raise ValueError(f"{path}: tokenizer metadata is unreadable ({type(exc).__name__}: {exc})") from None
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE) and "
+                         "'llama' (SentencePiece)")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges" if kind == "gpt2" else "tokenizer.ggml.scores"):
+        if not isinstance(meta.get(key), list):
+            raise ValueError(f"{path}: missing {key}")
+    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    if kind == "gpt2" and pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
+    return meta
+
+
+def _gguf_merges(meta: dict[str, Any], path: Path) -> list[tuple[str, ...]]:
+    """`tokenizer.ggml.merges` ('Ġ t') as pairs, or ValueError."""
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    if any(len(m) != 2 for m in merges):
+        raise ValueError(f"{path}: tokenizer.ggml.merges must be 'left right' pairs")
+    return merges
+
+
+def _gguf_backend(vocab: dict[str, int], merges: list, pre: str, path: Path) -> BackendTokenizer:
+    """_backend, with a ValueError naming the file when the merges do not fit the vocabulary."""
+    try:
+        return _backend(vocab, merges, PRE_TOKENIZERS[pre](), ignore_merges=pre in IGNORE_MERGES)
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a merge of unknown tokens
+        raise ValueError(f"{path}: tokenizer.ggml.merges does not fit the vocabulary ({exc})") from None
+
+
+def _gguf_token(meta: dict[str, Any], key: str, path: Path) -> str | None:
+    """The token string at `tokenizer.ggml.<key>` (e.g. bos_token_id), None if absent, ValueError if out of range."""
+    tokens, i = meta["tokenizer.ggml.tokens"], meta.get(f"tokenizer.ggml.{key}")
+    if i is not None and not 0 <= i < len(tokens):
+        raise ValueError(f"{path}: tokenizer.ggml.{key} {i} is out of range (vocabulary of {len(tokens)})")
+    return None if i is None else tokens[i]
+
+
+def _folder_parts(folder: Path) -> dict[str, Any]:
+    """Tokenizer's arguments from a Hugging Face folder (tokenizer.json and its companions)."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        others = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder does not exist"
+        raise FileNotFoundError(
+            f"tokenizer not found; searched: {path} (folder contents: {others}). "
+            "For a GGUF file use Tokenizer.from_gguf(path); for Qwen's ranks Tokenizer.from_qwen_tiktoken()")
+    try:
+        backend = BackendTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own Exception subclass for any bad file
+        raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from exc
+    config_path = folder / "tokenizer_config.json"
+    config = read_json_object(config_path) if config_path.is_file() else {}
+    eos_token = config_token(config, "eos_token", config_path)
+    eos_ids = [backend.token_to_id(eos_token)] if eos_token else []
+    eos_ids += generation_eos_ids(folder / "generation_config.json")
+    return dict(backend=backend, chat_template=folder_templates(folder, config), source=str(folder),
+                bos_token=config_token(config, "bos_token", config_path), eos_token=eos_token,
+                eos_token_ids=[i for i in eos_ids if i is not None], **sentencepiece_flags(backend))
 
 
 class Tokenizer(_ByteLevelBPE):
@@ -337,49 +372,36 @@ class Tokenizer(_ByteLevelBPE):
         return cls(**_folder_parts(Path(folder)))
 
 
-def _gguf_tokenizer_meta(path: Path) -> dict[str, Any]:
-    """A GGUF file's `tokenizer.*` metadata, checked: byte-level BPE ('gpt2': tokens, merges, a pre-tokenizer
-    we know) or SentencePiece ('llama': tokens, scores); ValueError naming the file and the key otherwise."""
-    try:
-        meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
-    except (UnicodeDecodeError, IndexError, TypeError) as exc:  # the values are decoded here, not when opened
-        raise ValueError(f"{path}: tokenizer metadata is unreadable ({type(exc).__name__}: {exc})") from None
-    kind = meta.get("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
-        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE) and "
-                         "'llama' (SentencePiece)")
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges" if kind == "gpt2" else "tokenizer.ggml.scores"):
-        if not isinstance(meta.get(key), list):
-            raise ValueError(f"{path}: missing {key}")
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
-    if kind == "gpt2" and pre not in PRE_TOKENIZERS:
-        raise ValueError(
-            f"{path}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
-    return meta
+# Qwen2.5-Instruct's template for plain chats (no tools).
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
-def _gguf_merges(meta: dict[str, Any], path: Path) -> list[tuple[str, ...]]:
-    """`tokenizer.ggml.merges` ('Ġ t') as pairs, or ValueError."""
-    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-    if any(len(m) != 2 for m in merges):
-        raise ValueError(f"{path}: tokenizer.ggml.merges must be 'left right' pairs")
-    return merges
+def _qwen_parts(path: Path) -> dict[str, Any]:
+    """Tokenizer's arguments for Qwen2/2.5, from its rank file: merges recovered, Qwen's regex and NFC,
+    its 22 added tokens after the ranks, ChatML's template and end ids."""
+    ranks = load_tiktoken_ranks(path)
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    merges = [(spell(a), spell(b)) for a, b in merges_from_ranks(ranks)]
+    backend = _backend(vocab, merges, split_pre_tokenizer(QWEN_PATTERN), normalizers.NFC())
+    _add_tokens(backend, special=QWEN_ADDED_TOKENS[:QWEN_NUM_SPECIAL], plain=QWEN_ADDED_TOKENS[QWEN_NUM_SPECIAL:])
+    assert backend.token_to_id(QWEN_ADDED_TOKENS[0]) == len(ranks)  # 151643 for Qwen's file
+    end_ids = [backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")]
+    return dict(backend=backend, chat_template=QWEN_CHAT_TEMPLATE, eos_token="<|im_end|>", eos_token_ids=end_ids,
+                source=str(path))
 
 
-def _gguf_backend(vocab: dict[str, int], merges: list, pre: str, path: Path) -> BackendTokenizer:
-    """_backend, with a ValueError naming the file when the merges do not fit the vocabulary."""
-    try:
-        return _backend(vocab, merges, PRE_TOKENIZERS[pre](), ignore_merges=pre in IGNORE_MERGES)
-    except Exception as exc:  # the tokenizers library raises a bare Exception on a merge of unknown tokens
-        raise ValueError(f"{path}: tokenizer.ggml.merges does not fit the vocabulary ({exc})") from None
-
-
-def _gguf_token(meta: dict[str, Any], key: str, path: Path) -> str | None:
-    """The token string at `tokenizer.ggml.<key>` (e.g. bos_token_id), None if absent, ValueError if out of range."""
-    tokens, i = meta["tokenizer.ggml.tokens"], meta.get(f"tokenizer.ggml.{key}")
-    if i is not None and not 0 <= i < len(tokens):
-        raise ValueError(f"{path}: tokenizer.ggml.{key} {i} is out of range (vocabulary of {len(tokens)})")
-    return None if i is None else tokens[i]
+def _end_ids(backend: BackendTokenizer, eos_token: str | None, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
+    """The ids that end a reply: those given, else the eos token's; unknown ones (None) dropped, each once."""
+    ids = list(eos_token_ids) or ([backend.token_to_id(eos_token)] if eos_token else [])
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def _gguf_parts(path: Path) -> dict[str, Any]:
@@ -401,28 +423,6 @@ def _gguf_parts(path: Path) -> dict[str, Any]:
     return dict(backend=backend, chat_template=gguf_templates(meta, path),
                 bos_token=_gguf_token(meta, "bos_token_id", path), eos_token=_gguf_token(meta, "eos_token_id", path),
                 eos_token_ids=eos, source=str(path), sentencepiece=spm, space_prefix=space_prefix)
-
-
-def _folder_parts(folder: Path) -> dict[str, Any]:
-    """Tokenizer's arguments from a Hugging Face folder (tokenizer.json and its companions)."""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        others = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "folder does not exist"
-        raise FileNotFoundError(
-            f"tokenizer not found; searched: {path} (folder contents: {others}). "
-            "For a GGUF file use Tokenizer.from_gguf(path); for Qwen's ranks Tokenizer.from_qwen_tiktoken()")
-    try:
-        backend = BackendTokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises its own Exception subclass for any bad file
-        raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from exc
-    config_path = folder / "tokenizer_config.json"
-    config = read_json_object(config_path) if config_path.is_file() else {}
-    eos_token = config_token(config, "eos_token", config_path)
-    eos_ids = [backend.token_to_id(eos_token)] if eos_token else []
-    eos_ids += generation_eos_ids(folder / "generation_config.json")
-    return dict(backend=backend, chat_template=folder_templates(folder, config), source=str(folder),
-                bos_token=config_token(config, "bos_token", config_path), eos_token=eos_token,
-                eos_token_ids=[i for i in eos_ids if i is not None], **sentencepiece_flags(backend))
 
 
 class StreamDecoder:

@@ -1,13 +1,14 @@
-# Generated from notebooks/07_tokenizer.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/A2_template_sandbox.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """What a model's files say about its tokenizer, read and checked: the chat templates by name, the
 bos/eos tokens and the ids that end a reply.
 
-Built in notebooks/07_tokenizer.ipynb. A GGUF file keeps its templates under
-`tokenizer.chat_template` (and llama.cpp's `tokenizer.chat_template.NAME`); a Hugging Face folder in
-tokenizer_config.json, chat_template.json, chat_template.jinja and additional_chat_templates/. Both
-are downloaded from whoever published the model, so every value is checked where it is read: a wrong
-type, a bad encoding or a template that does not compile is a ValueError naming the file and the key.
+Built in notebooks/A2_template_sandbox.ipynb, the appendix of notebook 07. A GGUF file keeps its
+templates under `tokenizer.chat_template` (and llama.cpp's `tokenizer.chat_template.NAME`); a
+Hugging Face folder in tokenizer_config.json, chat_template.json, chat_template.jinja and
+additional_chat_templates/. Both are downloaded from whoever published the model, so every value is
+checked where it is read: a wrong type, a bad encoding or a template that does not compile is a
+ValueError naming the file and the key.
 """
 
 from __future__ import annotations
