@@ -8,8 +8,9 @@ the schemas are in data/openai-openapi/) and minillm's own extensions: what the 
 A field the server does not do is refused with a 400 naming it (`error.param`), never silently
 ignored; a field not in the table at all gets the 400 OpenAI answers ("Unrecognized request
 argument"), or with `lenient` (serve --lenient) is accepted and logged. Also here: GET /v1/models/{id}
-(the openai client's models.retrieve), vLLM's POST /tokenize and /detokenize, and /v1/completions' own
-fields: logprobs as a count, echo (the prompt's logprobs, from the prefill) and max_tokens 0 with echo.
+(the openai client's models.retrieve), vLLM's POST /tokenize, /detokenize and GET /tokenizer_info (what
+lm-eval's remote tokenizer reads), and /v1/completions' own fields: logprobs as a count, echo (the
+prompt's logprobs, from the prefill) and max_tokens 0 with echo.
 """
 
 from __future__ import annotations
@@ -135,10 +136,19 @@ def detokenize(llm: LLM, body: dict, models: dict) -> dict:
     return {"prompt": llm.tokenizer.decode(ids)}
 
 
+def tokenizer_info(llm: LLM, context: int) -> dict:
+    """vLLM's GET /tokenizer_info: the tokenizer's special tokens, chat template and context. With /tokenize
+    and /detokenize it is what lm-eval's `remote` tokenizer reads, so that an evaluation tokenizes as the
+    server does (its local-completions model finds the three by itself)."""
+    tok = llm.tokenizer
+    return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+            "pad_token": None, "chat_template": tok.chat_template, "model_max_length": context}
+
+
 def add_routes(app: FastAPI, llm: LLM, gate: Gate, context: int, max_body_bytes: int, models: Callable[[], dict],
                lenient: bool = False) -> None:
-    """GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize: a key is needed (as for the
-    completions), but no per-key limit counts them."""
+    """GET /v1/models, /v1/models/{id} and /tokenizer_info, POST /tokenize and /detokenize: a key is
+    needed (as for the completions), but no per-key limit counts them."""
 
     async def answer(request: Request, work: Callable[[dict], dict], table: dict | None = None) -> dict:
         record = gate.admit(request, limited=False)
@@ -167,6 +177,10 @@ def add_routes(app: FastAPI, llm: LLM, gate: Gate, context: int, max_body_bytes:
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
         return await answer(request, lambda body: detokenize(llm, body, models()), DETOKENIZE_FIELDS)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route(request: Request):
+        return await answer(request, lambda _: tokenizer_info(llm, context))
 
 
 def bias_ids(bias):

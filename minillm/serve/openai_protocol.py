@@ -67,8 +67,8 @@ class Reply:
     """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
 
     def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: bool = False, one_call: bool = False):
-        self.chat, self.prompt_tokens, self.index, self.tools, self.held = chat, prompt_tokens, 0, tools, ""
-        self.one_call, self.tail = one_call, b""  # parallel_tool_calls false; the answer's last token bytes
+        self.chat, self.prompt_tokens, self.index, self.tools, self.one_call = chat, prompt_tokens, 0, tools, one_call
+        self.tail, self.calls, self.finish = b"", None, None  # last token bytes; tool_stream's state and finish
         self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
@@ -115,9 +115,7 @@ def best_choices(logprobs: list[list[dict]], n: int) -> list[int]:
 
 def output_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[str]:
     """The SSE events one engine Output sends: a chunk with its text (and logprobs), then, on the
-    request's last output, the finishing chunk. An answer that offered tools: held_events."""
-    if reply.tools:
-        return held_events(out, reply, tokenizer)
+    request's last output, the finishing chunk. (An answer that offered tools: tool_stream.tool_events.)"""
     events = []
     lp = [token_logprobs(tokenizer, out)] if logprobs and out.token_id is not None else None
     text = answer_text(reply, out, tokenizer)
@@ -219,13 +217,6 @@ def with_tool_calls(message: dict, text: str, finish: str, delta: bool, one_call
         return finish
     message["tool_calls"] = [{**c, "index": k} for k, c in enumerate(calls)] if delta else calls
     return "tool_calls"
-
-
-def held_events(out: Output, reply: Reply, tokenizer) -> list[str]:
-    """output_events for a streamed answer that offered tools: its text is held to the end, since only
-    then is it known whether it is content or calls; then one chunk with either, and the finish."""
-    reply.held += answer_text(reply, out, tokenizer)
-    return [reply.chunk([reply.choice(reply.held, out.finish_reason, None, delta=True)])] if out.finished else []
 
 
 def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:

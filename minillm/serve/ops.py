@@ -202,21 +202,24 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class EngineCollector:
     """Gauges and counters read from the engine when /metrics is scraped (plain reads of ints and lengths,
-    safe while the engine thread steps)."""
+    safe while the engine thread steps). The prefix cache is two counters since the start, hits and queries
+    (in full prompt blocks), as vLLM's: a hit rate over any window is PromQL's `rate(hits) / rate(queries)`,
+    where a ratio since the start, exported as a gauge, would say less and less about the present."""
 
     def __init__(self, engine, in_flight):
         self.engine, self.in_flight = engine, in_flight
 
     def collect(self):
         sched, manager = self.engine.scheduler, self.engine.manager
+        used = manager.num_blocks - manager.num_free_blocks
         for name, doc, value in (
                 ("minillm_running_sequences", "Sequences in the running batch", len(sched.running)),
                 ("minillm_waiting_sequences", "Sequences waiting for KV blocks or a batch slot", len(sched.waiting)),
-                ("minillm_kv_blocks_used", "KV cache blocks in use", manager.num_blocks - manager.num_free_blocks),
+                ("minillm_kv_blocks_used", "KV cache blocks in use", used),
                 ("minillm_kv_blocks_free", "KV cache blocks free", manager.num_free_blocks),
-                ("minillm_requests_in_flight", "HTTP requests between arrival and end", self.in_flight.count),
-                ("minillm_prefix_cache_hit_rate", "Full prompt blocks found in the prefix cache, of those looked up",
-                 manager.hits / manager.queries if manager.queries else 0.0)):
+                ("minillm_kv_cache_usage_ratio", "KV cache blocks in use, of all blocks (0 to 1)",
+                 used / manager.num_blocks),
+                ("minillm_requests_in_flight", "HTTP requests between arrival and end", self.in_flight.count)):
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("minillm_preemptions", "Sequences preempted for lack of KV blocks",
                                   value=sched.num_preemptions)
@@ -226,27 +229,48 @@ class EngineCollector:
                                   value=manager.queries)
 
 
+class WithoutCreated:
+    """A registry's metric families less their `_created` samples. prometheus-client adds to every counter
+    and histogram the time it was created, which the text format writes as a second family (`..._created`,
+    a gauge) per metric; Prometheus does not read it. Filtered per registry: the library's own switch,
+    disable_created_metrics(), is one for the whole process."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():  # fresh objects on each scrape: safe to trim
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
 class Metrics:
-    """The server's Prometheus metrics, in a registry of its own (two apps in one process do not mix)."""
+    """The server's Prometheus metrics, in a registry of its own (two apps in one process do not mix).
+    The histograms count generation requests only (chat and text completions that passed their checks):
+    GET /v1/models or a 400 would otherwise pull the latencies down."""
 
     def __init__(self, engine, in_flight):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("minillm_requests", "HTTP requests answered, by path and status",
                                 ["path", "status"], registry=r)
-        self.finished = Counter("minillm_choices_finished", "Choices ended, by finish reason", ["reason"], registry=r)
+        self.finished = Counter("minillm_choices_finished", "Choices ended, by the finish_reason the client got",
+                                ["reason"], registry=r)
         self.prompt_tokens = Counter("minillm_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("minillm_generation_tokens", "Tokens generated", registry=r)
+        self.queue_time = Histogram("minillm_queue_time_seconds", "From a generation request's arrival to the "
+                                    "start of its prefill (waiting for a batch slot and KV blocks)",
+                                    buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("minillm_time_to_first_token_seconds", "From a request's arrival to its first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("minillm_inter_token_latency_seconds", "Between two tokens of one choice",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram("minillm_request_latency_seconds", "From a request's arrival to its end",
+        self.latency = Histogram("minillm_request_latency_seconds", "From a generation request's arrival to its end",
                                  buckets=LATENCY_BUCKETS, registry=r)
         r.register(EngineCollector(engine, in_flight))
 
     def response(self) -> Response:
-        """The body of GET /metrics: Prometheus' text format."""
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        """The body of GET /metrics: Prometheus' text format, without the `_created` series."""
+        return Response(generate_latest(WithoutCreated(self.registry)), media_type=CONTENT_TYPE_LATEST)
 
 
 # ---------------------------------------------------------------- one request, its record
@@ -255,13 +279,15 @@ class Metrics:
 class RequestRecord:
     """One request from arrival to end: its key id, tokens, latencies and finish reasons.
 
-    `output` notes each engine Output of choice `index`; `end` (the first call counts, later ones
-    change nothing) runs the releases, charges the completion to the key, updates the metrics and
-    writes the access-log line. The status is 499 (client closed) until the handler sets another."""
+    `output` notes each engine Output of choice `index`; `started` the start of its prefill (from the
+    engine thread); `end` (the first call counts, later ones change nothing) runs the releases, charges
+    the completion to the key, updates the metrics and writes the access-log line. The status is 499
+    (client closed) until the handler sets another. `finish` holds the finish_reason each choice got:
+    the engine's, which the server overwrites where the client saw another ("tool_calls")."""
 
     def __init__(self, path: str, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic):
         self.path, self.metrics, self.clock = path, metrics, clock
-        self.id, self.key, self.status = "req-" + uuid.uuid4().hex[:24], "-", 499
+        self.id, self.key, self.status, self.generating = "req-" + uuid.uuid4().hex[:24], "-", 499, False
         self.start, self.first, self.last = clock(), None, {}
         self.prompt_tokens = self.completion_tokens = 0
         self.finish: dict[int, str] = {}
@@ -271,8 +297,13 @@ class RequestRecord:
 
     def begin(self, answer_id: str, prompt_tokens: int) -> None:
         """The request was parsed: its answer's id, and its prompt, charged to the key now."""
-        self.id, self.prompt_tokens = answer_id, prompt_tokens
+        self.id, self.prompt_tokens, self.generating = answer_id, prompt_tokens, True
         self.charge(prompt_tokens)
+
+    def started(self, when: float) -> None:
+        """Its prefill began at `when` (this record's clock): the end of its queue time."""
+        if self.metrics:
+            self.metrics.queue_time.observe(max(0.0, when - self.start))
 
     def output(self, index: int, out) -> None:
         now = self.clock()
@@ -304,7 +335,8 @@ class RequestRecord:
     def _count(self, now: float) -> None:
         m = self.metrics
         m.requests.labels(self.path, str(self.status)).inc()
-        m.latency.observe(now - self.start)
+        if self.generating:  # not GET /v1/models, /tokenize, or a request refused before it began
+            m.latency.observe(now - self.start)
         m.prompt_tokens.inc(self.prompt_tokens)
         m.generation_tokens.inc(self.completion_tokens)
         for reason in self.finish.values():

@@ -13,7 +13,8 @@ with the table of request fields). Errors: {"error": {"message", "type", "param"
 API keys, per-key limits, a JSON access log, request timeouts and a graceful shutdown (both finish_reason
 "length", the spec's word for an answer cut short). References: the OpenAI API reference and its OpenAPI
 spec; vLLM's OpenAI-compatible server (the queue-per-request bridge over one engine loop; /tokenize).
-The protocol (request checks, response shapes, error JSON) is minillm/serve/openai_protocol.py.
+The protocol (request checks, response shapes, error JSON) is minillm/serve/openai_protocol.py; the in-flight
+limit and the error handlers are minillm/serve/plumbing.py.
 """
 
 from __future__ import annotations
@@ -29,18 +30,19 @@ from collections.abc import Callable, Iterable
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.api import LLM
 from minillm.runtime.engine import Engine, Output
+from minillm.runtime.sequence import WAITING, Sequence
 from minillm.weights.lora import adapter_names
 from minillm.serve.fields import CHAT_FIELDS, TEXT_FIELDS, add_routes, check_fields, legacy_answer, parse_completion
 from minillm.serve.openai_protocol import (APIError, ParsedRequest, Reply, answer_text, best_choices, output_events,
                                            read_json, read_prompt, sse, token_logprobs)
 from minillm.runtime.sampling import SamplingParams
-from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, Refusal, RequestRecord,
-                               configure_access_log, schema_pages, validate_seconds)
-from minillm.utils.validate import is_positive_int
+from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics, RequestRecord, configure_access_log,
+                               schema_pages, validate_seconds)
+from minillm.serve.plumbing import InFlight, add_error_handlers, as_api_error
+from minillm.serve.tool_stream import tool_events
 
 
 def apply_commands(engine: Engine, commands: queue.SimpleQueue) -> None:
@@ -78,9 +80,33 @@ def deliver(outputs: list[Output], queues: dict[int, tuple[asyncio.AbstractEvent
             loop.call_soon_threadsafe(outputs_queue.put_nowait, out)
 
 
+class PrefillStarts:
+    """The requests whose prefill start someone awaits (the queue-time metric): `add` runs on the event
+    loop, `note` on the engine thread after each step, calling on_start(t) of each request that step took
+    out of the waiting queue, t being the time.monotonic() at which the step began."""
+
+    def __init__(self):
+        self.watched: dict[int, tuple[Sequence, Callable[[float], None]]] = {}
+        self.lock = threading.Lock()  # add and note run on two threads
+
+    def add(self, seq: Sequence, on_start: Callable[[float], None] | None) -> None:
+        if on_start is not None:
+            with self.lock:
+                self.watched[seq.id] = (seq, on_start)
+
+    def note(self, began: float) -> None:
+        with self.lock:
+            started = [rid for rid, (seq, _) in self.watched.items() if seq.status != WAITING]
+            calls = [self.watched.pop(rid) for rid in started]
+        for seq, on_start in calls:
+            if seq.num_computed:  # its prefill ran (not a request aborted while it waited)
+                on_start(began)
+
+
 class EngineThread:
     """The thread that owns an Engine: it sleeps until woken, applies the posted commands, and steps
-    while any request is unfinished, delivering each step's Outputs. EngineBridge adds the request API."""
+    while any request is unfinished, delivering each step's Outputs and telling each watched request
+    when its prefill began (its queue time). EngineBridge adds the request API."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -88,6 +114,7 @@ class EngineThread:
         self.wake = threading.Event()
         self.queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # set by add, popped by the thread
         self.steps = 0  # forward rounds taken, for the curious
+        self.starts = PrefillStarts()  # the requests whose prefill start is awaited (their queue time)
         self.running = False
         self.thread: threading.Thread | None = None
 
@@ -111,8 +138,10 @@ class EngineThread:
             self.wake.clear()  # before reading the commands: a command posted after this sets it again
             self._apply_commands()
             while self.running and self.engine.has_unfinished():
+                began = time.monotonic()
                 outputs = step_or_fail(self.engine)
                 self.steps += 1
+                self.starts.note(began)
                 deliver(outputs, self.queues)
                 self._apply_commands()  # between steps: new requests join, hung-up ones leave
 
@@ -126,15 +155,15 @@ class EngineBridge(EngineThread):
     closed = False  # set by end_all: the server is shutting down, add refuses (503)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stop: list[str],
-            n: int = 1, **options) -> tuple[list[int], asyncio.Queue]:  # make_request's: response_format...
-        """Queue a request for n choices (call from the event loop): their ids, the queue of their Outputs."""
+            n: int = 1, on_start=None, **options) -> tuple[list[int], asyncio.Queue]:  # options: make_request's
+        """Queue a request of n choices (from the event loop): their ids, their Outputs' queue; on_start: PrefillStarts."""
         if self.closed:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
         seq = self.engine.make_request(prompt_ids, params, max_new_tokens, stop, n=n, **options)  # bad: ValueError
         rids = [seq.id] + [fork.id for fork in seq.forks]
-        outputs: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        outputs, loop = asyncio.Queue(), asyncio.get_running_loop()
         self.queues.update((rid, (loop, outputs)) for rid in rids)
+        self.starts.add(seq, on_start)
         self.commands.put(("add", seq))
         self.wake.set()
         if self.request_timeout is not None:  # a request still running then ends as if max_tokens were reached
@@ -176,7 +205,8 @@ async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: P
     """The whole answer as one JSON object: its n choices (the n best of best_of). A client that hangs
     up is noticed within half a second (nothing is written to it until the end, so only asking tells)
     and its request is aborted."""
-    rids, outputs = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.best_of, **req.options)
+    rids, outputs = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.best_of, record.started,
+                               **req.options)
     index, views = {rid: i for i, rid in enumerate(rids)}, [reply.at(i) for i in range(len(rids))]
     texts, lps, finish, scores = [[] for _ in rids], [[] for _ in rids], [None] * len(rids), None  # scores: echo's
     asked = time.monotonic()
@@ -199,9 +229,12 @@ async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: P
     finally:  # cancelled or hung up before the end: abort frees the blocks of every unfinished choice
         if None in finish:
             bridge.abort([rid for rid, reason in zip(rids, finish) if reason is None])
+    best = best_choices(lps, req.n)
     choices = [reply.at(k).choice("".join(texts[i]), finish[i], lps[i] if req.logprobs else None)
-               for k, i in enumerate(best_choices(lps, req.n))]
-    return legacy_answer(reply.whole(choices, sum(map(len, lps))), req, scores, ids, tokenizer)  # /v1/completions'
+               for k, i in enumerate(best)]
+    answer = legacy_answer(reply.whole(choices, sum(map(len, lps))), req, scores, ids, tokenizer)  # /v1/completions'
+    record.finish.update((i, c["finish_reason"]) for i, c in zip(best, answer["choices"]))  # as sent: tool_calls
+    return answer
 
 
 async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: ParsedRequest, reply: Reply,
@@ -212,7 +245,8 @@ async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: Pa
     `record.end` ends the request (its in-flight count and limits), whichever way the stream ends."""
     pending, status, n = set(), 499, 0  # 499 (client closed) unless the stream reaches its end
     try:
-        rids, queue = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.n, **req.options)
+        rids, queue = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.n, record.started, **req.options)
+        events = tool_events if req.tools else output_events  # with tools: text until a call can begin
         pending, replies = set(rids), {rid: reply.at(i) for i, rid in enumerate(rids)}
         for one in replies.values() if reply.chat else ():
             yield one.opening()
@@ -221,10 +255,11 @@ async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: Pa
             reply = replies[out.request_id]  # this choice's view: its chunks carry its index
             record.output(reply.index, out)
             n += out.token_id is not None
-            for event in output_events(out, reply, tokenizer, req.logprobs):
+            for event in events(out, reply, tokenizer, req.logprobs):
                 yield event
             if out.finished:
                 pending.discard(out.request_id)
+                record.finish[reply.index] = reply.finish or out.finish_reason  # as sent: tool_calls
         if req.include_usage:
             yield reply.chunk([], usage=reply.usage(n))
         yield sse("[DONE]")
@@ -237,67 +272,6 @@ async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: Pa
         record.end(status)
         if pending:
             bridge.abort(list(pending))
-
-
-class InFlight:
-    """Requests from their arrival to their end; past `limit`, a new one is refused (429).
-
-    `enter` counts a request before its body is read (so a burst cannot pass the check together)
-    and returns its `release`, which is safe to call more than once: every path out calls it."""
-
-    def __init__(self, limit: int):
-        if not is_positive_int(limit):
-            raise ValueError(f"max_in_flight must be an int >= 1, got {limit!r}")
-        self.limit, self.count = limit, 0
-        self.lock = threading.RLock()  # a release may come from a finalizer: another thread, or a GC inside enter()
-
-    def enter(self) -> Callable[[], None]:
-        with self.lock:
-            if self.count >= self.limit:
-                raise APIError(429, f"{self.limit} requests are in flight; retry later", None, "too_many_requests",
-                               {"Retry-After": "1"})
-            self.count += 1
-        released = []
-
-        def release() -> None:
-            with self.lock:
-                if not released:
-                    released.append(True)
-                    self.count -= 1
-        return release
-
-
-def as_api_error(exc: Exception) -> APIError:
-    """What the client gets: our APIError as it is, a refusal by the gate (server_ops) with its status,
-    the engine's own check of a request (ValueError) as a 400, anything else (a bug) as a 500."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, Refusal):
-        return APIError(exc.status, exc.message, None, exc.code, exc.headers)
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
-
-
-async def on_api_error(request, exc: APIError | Refusal):
-    return as_api_error(exc).response()
-
-
-async def on_http_error(request, exc):  # unknown paths, wrong methods
-    return APIError(exc.status_code, str(exc.detail)).response()
-
-
-async def on_unexpected_error(request, exc):  # a bug outside the completions: still OpenAI's JSON
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error").response()
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    """Every failure answers with OpenAI's error JSON: our APIErrors and the gate's refusals, the
-    framework's 404 and 405, and bugs."""
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(Refusal, on_api_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected_error)
 
 
 def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int, model_name: str,

@@ -236,10 +236,12 @@ def test_metrics_parse_and_move_as_requests_are_served(server, client):
     assert moved(("minillm_choices_finished_total", (("reason", r.choices[0].finish_reason),))) == 1
     total = app.state.bridge.engine.manager.num_blocks
     assert after[("minillm_kv_blocks_free", ())] + after[("minillm_kv_blocks_used", ())] == total
-    for name in ("minillm_running_sequences", "minillm_waiting_sequences", "minillm_prefix_cache_hit_rate",
-                 "minillm_preemptions_total", "minillm_requests_in_flight", "minillm_request_latency_seconds_count"):
+    for name in ("minillm_running_sequences", "minillm_waiting_sequences", "minillm_kv_cache_usage_ratio",
+                 "minillm_preemptions_total", "minillm_requests_in_flight", "minillm_request_latency_seconds_count",
+                 "minillm_queue_time_seconds_count", "minillm_prefix_cache_queries_total"):
         assert (name, ()) in after, name
-    assert 0 < after[("minillm_prefix_cache_hit_rate", ())] <= 1  # repeated prompts: their blocks are reused
+    assert moved(("minillm_queue_time_seconds_count", ())) == 1 and moved(("minillm_request_latency_seconds_count", ())) == 1
+    assert 0 < after[("minillm_prefix_cache_hits_total", ())] <= after[("minillm_prefix_cache_queries_total", ())]
 
 
 def test_one_json_access_log_line_per_request_names_the_key_by_id(server, client, caplog):

@@ -150,13 +150,11 @@ def test_required_tool_call_round_trip(client):
                                           max_tokens=60, temperature=0)
     message, finish = done.choices[0].message, done.choices[0].finish_reason
     assert finish == "tool_calls" and message.tool_calls and all(valid_call(c) for c in message.tool_calls)
-    calls = {}
-    for chunk in client.chat.completions.create(model=MODEL, messages=chat, tools=[WEATHER, CLOCK], stream=True,
-                                                tool_choice="required", max_tokens=60, temperature=0):
-        for delta_call in chunk.choices[0].delta.tool_calls or []:
-            calls[delta_call.index] = delta_call
-    assert calls and all(valid_call(c) for c in calls.values())
-    assert [c.function.arguments for c in calls.values()] == [c.function.arguments for c in message.tool_calls]
+    with client.chat.completions.stream(model=MODEL, messages=chat, tools=[WEATHER, CLOCK], tool_choice="required",
+                                        max_tokens=60, temperature=0) as stream:  # the SDK joins the fragments
+        calls = stream.get_final_completion().choices[0].message.tool_calls
+    assert calls and all(valid_call(c) for c in calls)
+    assert [c.function.arguments for c in calls] == [c.function.arguments for c in message.tool_calls]
     follow = chat + [message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 degrees, light rain"}]
     answer = client.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER, CLOCK], max_tokens=30,
