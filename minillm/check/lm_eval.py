@@ -23,6 +23,10 @@ encoded together and split at the encoded context's length, the context's traili
 into the continuation, an empty context replaced by the BOS (else EOS) token. Long inputs keep their
 last max_length + 1 tokens, as `hf` does. The model runs one request at a time (batch_size is accepted
 for the CLI and ignored).
+
+Against `python -m minillm serve`, lm-eval's own `local-completions` model needs nothing from here
+(`--model local-completions --model_args base_url=http://127.0.0.1:8000/v1/completions,model=NAME`;
+it tokenizes through the server's /tokenizer_info, /tokenize and /detokenize): docs/eval.md.
 """
 
 from __future__ import annotations
