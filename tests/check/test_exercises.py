@@ -95,6 +95,7 @@ def _calls(ns: dict) -> dict:
                                       None),
         "MultiLoRALinear.forward": lambda cls: cls(torch.nn.Linear(2, 3), torch.zeros(2, 1, 2), torch.zeros(2, 3, 1),
                                                    SimpleNamespace(ids=torch.tensor([1])))(torch.ones(1, 1, 2)),
+        "decode_bytes": lambda f: f(check_performance.configs()["SmolLM2-135M-Instruct"], 2, 16),
         "Split.kv_heads": lambda cls: cls(check_parallel._config(4, 2), 0, 2).kv_heads,
         "Vocabulary.allowed": lambda cls: cls(check_structured._tokenizer(), 3).allowed(
             DFA(check_structured.PATTERNS["a b* }"][0]), 0),
@@ -669,6 +670,32 @@ PARALLEL_PLANTED = [
 ]
 
 
+# ---------------------------------------------------------------- notebook 15: a decode step's bytes (minillm/check/performance.py)
+# (a lesson cell, not exported: the reference is the notebook's own decode_bytes, the mistakes planted in it)
+
+from minillm.check import performance as check_performance  # noqa: E402
+
+
+def _decode_bytes_variant(old: str, new: str, label: str):
+    return notebook_function("15_performance", "decode_bytes", check_performance, old, new, label)
+
+
+PERFORMANCE_PLANTED = [("decode_bytes", _decode_bytes_variant(old, new, label), hint) for old, new, label, hint in [
+    ("weights = nbytes * (L * layer + head)", "weights = nbytes * L * layer", "bytes_without_head", "the head: every"),
+    ("+ head)", "+ 2 * head)", "bytes_embedding_and_head", "the embedding lookup reads one row"),
+    ("head = config.vocab_size * h", "head = 0 if config.tie_word_embeddings else config.vocab_size * h",
+     "bytes_tied_head_free", "a tied head IS the embedding table"),
+    ("weights = nbytes * (", "weights = 8 * nbytes * (", "bytes_in_bits", "do not multiply by 8"),
+    ("+ 2 * Hkv * D * h +", "+ 2 * H * D * h +", "bytes_kv_projections_full_width", "k and v have num_key_value_heads"),
+    ("layer = H * D * h + 2 * Hkv * D * h + h * H * D", "layer = h * h + 2 * Hkv * D * h + h * h", "bytes_q_as_hidden",
+     "not hidden_size in every model"),
+    ("kv = nbytes * 2 * L", "kv = nbytes * L", "bytes_keys_only", "a key AND a value"),
+    ("2 * L * Hkv * D * context", "2 * L * H * D * context", "bytes_cache_per_query_head", "not one per query head"),
+    ("kv = nbytes * 2 * L * Hkv", "kv = nbytes * 2 * Hkv", "bytes_cache_one_layer", "has its own cache"),
+    ("kv = nbytes * 2 * L * Hkv * D * context", "kv = 0", "bytes_without_cache", "they grow with `context`"),
+]]
+
+
 # ---------------------------------------------------------------- the reference passes
 
 REFERENCE = {
@@ -687,6 +714,7 @@ REFERENCE = {
     **FIRST_REFERENCE,
     "accept_sampled": speculative.accept_sampled,
     "MultiLoRALinear.forward": lora.MultiLoRALinear,
+    "decode_bytes": notebook_function("15_performance", "decode_bytes", check_performance),
     "Split.kv_heads": tensor_parallel.Split,
     "Vocabulary.allowed": constrained.Vocabulary,
 }
@@ -891,6 +919,7 @@ PLANTED = [
     *FIRST_PLANTED,
     *SPECULATIVE_PLANTED,
     *LORA_PLANTED,
+    *PERFORMANCE_PLANTED,
     *PARALLEL_PLANTED,
     *STRUCTURED_PLANTED,
 ]
@@ -1216,6 +1245,7 @@ EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of 
     "lookup_forwards_saved": (validate_speculative.lookup_forwards_saved(), 1 - validate_speculative.lookup_forwards_saved(),
                               "share of forwards run"),
     "adapter_megabytes": (check_lora.adapter_megabytes(), check_lora.adapter_megabytes(gqa=False), "3 KV heads"),
+    "h200_crossover_batch": (452, 207, "the activations' bytes"),
     "kv_bytes_per_token_tp4": (check_parallel.kv_bytes_per_token_tp4(),
                                check_parallel.kv_bytes_per_token_tp4(replicate=False), "whole KV heads"),
     "allowed_after_twelve": (check_structured.allowed_after_twelve(),
@@ -1226,7 +1256,8 @@ MEASURED = {"speedup_16", "text_share"}  # measurements on this machine: test_ex
 
 def test_every_exploration_has_a_reference():
     assert set(EXPLORE_REFERENCE) == (set(check_explore.EXPLORE) | set(validate_speculative.EXPLORE) | set(check_lora.EXPLORE)
-                                      | set(check_parallel.EXPLORE) | set(check_structured.EXPLORE))
+                                      | set(check_parallel.EXPLORE) | set(check_structured.EXPLORE)
+                                      | set(check_performance.EXPLORE))
     assert MEASURED == set(check_engine.EXPLORE)
     assert set(check.EXPLORE) == set(EXPLORE_REFERENCE) | MEASURED  # one registry
     for name, explore in check.EXPLORE.items():
@@ -1252,6 +1283,7 @@ def test_exploration_references_are_the_numbers_the_notebooks_print():
     qwen, smol = check_explore.chinese_share()
     assert 0.15 < qwen < 0.19 and 0.001 < smol < 0.002  # 25,511 of 151,643 and 80 of 49,152
     assert 0.5 < validate_speculative.lookup_forwards_saved() < 0.95  # the answer copies the passage
+    assert check_performance.crossover_batch() == 452 and check_performance.crossover_batch(nbytes=4) is None
     assert check_lora.adapter_megabytes() == pytest.approx(32 * 30 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536)) * 4 / 1e6)
     count, mass = check_explore.tail()
     assert abs(count - 48816) <= 250 and abs(mass - 0.0425) <= 0.002
