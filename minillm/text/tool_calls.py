@@ -24,71 +24,6 @@ CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
-def validate_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
-    """(tools, choice), checked: tools a list of {"type": "function", "function": {"name", "description",
-    "parameters"}}; choice "none", "auto" (the default), "required" or {"type": "function", "function":
-    {"name": ...}}. ValueError whose message starts with the path of the field that is wrong
-    ("tools[2].function.parameters must be ..."); the server answers it with that path as `param`."""
-    if tools is None:
-        if tool_choice not in (None, "none"):
-            raise ValueError(f"tool_choice needs tools: got {shown(tool_choice)} and no tools")
-        return [], "none"
-    if not isinstance(tools, list) or not tools:
-        raise ValueError(f"tools must be a non-empty list of {{'type': 'function', 'function': {{...}}}}, "
-                         f"got {shown(tools)}")
-    where = lone_surrogate(tools, "tools")
-    if where is not None:
-        raise ValueError(f"{where} holds a lone surrogate (not valid Unicode text)")
-    names: dict[str, int] = {}
-    for i, tool in enumerate(tools):
-        name = checked_function(tool, f"tools[{i}]")["name"]
-        if name in names:
-            raise ValueError(f"tools[{i}].function.name {name!r} is the same name as tools[{names[name]}]'s")
-        names[name] = i
-    return tools, checked_choice(tool_choice, list(names))
-
-
-def checked_function(tool, where: str) -> dict:
-    """The function of one entry of tools (at `where`, such as "tools[2]"), each level's type checked
-    before it is read; ValueError naming the path of what is wrong."""
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}, got {shown(tool)}")
-    function = tool.get("function")
-    if not isinstance(function, dict):
-        raise ValueError(f"{where}.function must be an object {{'name', 'description', 'parameters'}}, "
-                         f"got {shown(function)}")
-    name = function.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ValueError(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {shown(name)}")
-    if function.get("description") is not None and not isinstance(function["description"], str):
-        raise ValueError(f"{where}.function.description must be a string, got {shown(function['description'])}")
-    if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-        raise ValueError(f"{where}.function.parameters must be a JSON schema (an object), "
-                         f"got {shown(function['parameters'])}")
-    return function
-
-
-def checked_choice(choice, names: list[str]) -> str | dict:
-    """tool_choice: "auto" (None), "none", "required" or {"type": "function", "function": {"name": one of
-    names}}, each level's type checked before it is read; ValueError naming the path of what is wrong."""
-    if choice is None:
-        return "auto"
-    if isinstance(choice, str) and choice in ("none", "auto", "required"):
-        return choice
-    if not isinstance(choice, dict):
-        raise ValueError("tool_choice must be none, auto, required or {'type': 'function', 'function': "
-                         f"{{'name': ...}}}}, got {shown(choice)}")
-    if choice.get("type") != "function":
-        raise ValueError(f"tool_choice.type must be 'function', got {shown(choice.get('type'))}")
-    if not isinstance(choice.get("function"), dict):
-        raise ValueError(f"tool_choice.function must be an object {{'name': ...}}, got {shown(choice.get('function'))}")
-    name = choice["function"].get("name")
-    if not isinstance(name, str) or name not in names:
-        raise ValueError(f"tool_choice.function.name must name a function of tools ({shown(names, 60)}), "
-                         f"got {shown(name)}")
-    return choice
-
-
 def call_format(tools: list[dict], choice) -> dict | None:
     """The response_format that forces one call of an allowed function (choice "required" or a named
     function), or None when the model may answer in text ("auto", "none")."""
@@ -160,3 +95,68 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
 
     content = CALL.sub(take, text)
     return (content.strip() or None, calls) if calls else (text, [])
+
+
+def validate_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
+    """(tools, choice), checked: tools a list of {"type": "function", "function": {"name", "description",
+    "parameters"}}; choice "none", "auto" (the default), "required" or {"type": "function", "function":
+    {"name": ...}}. ValueError whose message starts with the path of the field that is wrong
+    ("tools[2].function.parameters must be ..."); the server answers it with that path as `param`."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise ValueError(f"tool_choice needs tools: got {shown(tool_choice)} and no tools")
+        return [], "none"
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"tools must be a non-empty list of {{'type': 'function', 'function': {{...}}}}, "
+                         f"got {shown(tools)}")
+    where = lone_surrogate(tools, "tools")
+    if where is not None:
+        raise ValueError(f"{where} holds a lone surrogate (not valid Unicode text)")
+    names: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        name = checked_function(tool, f"tools[{i}]")["name"]
+        if name in names:
+            raise ValueError(f"tools[{i}].function.name {name!r} is the same name as tools[{names[name]}]'s")
+        names[name] = i
+    return tools, checked_choice(tool_choice, list(names))
+
+
+def checked_function(tool, where: str) -> dict:
+    """The function of one entry of tools (at `where`, such as "tools[2]"), each level's type checked
+    before it is read; ValueError naming the path of what is wrong."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}, got {shown(tool)}")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise ValueError(f"{where}.function must be an object {{'name', 'description', 'parameters'}}, "
+                         f"got {shown(function)}")
+    name = function.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {shown(name)}")
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise ValueError(f"{where}.function.description must be a string, got {shown(function['description'])}")
+    if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+        raise ValueError(f"{where}.function.parameters must be a JSON schema (an object), "
+                         f"got {shown(function['parameters'])}")
+    return function
+
+
+def checked_choice(choice, names: list[str]) -> str | dict:
+    """tool_choice: "auto" (None), "none", "required" or {"type": "function", "function": {"name": one of
+    names}}, each level's type checked before it is read; ValueError naming the path of what is wrong."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
+        return choice
+    if not isinstance(choice, dict):
+        raise ValueError("tool_choice must be none, auto, required or {'type': 'function', 'function': "
+                         f"{{'name': ...}}}}, got {shown(choice)}")
+    if choice.get("type") != "function":
+        raise ValueError(f"tool_choice.type must be 'function', got {shown(choice.get('type'))}")
+    if not isinstance(choice.get("function"), dict):
+        raise ValueError(f"tool_choice.function must be an object {{'name': ...}}, got {shown(choice.get('function'))}")
+    name = choice["function"].get("name")
+    if not isinstance(name, str) or name not in names:
+        raise ValueError(f"tool_choice.function.name must name a function of tools ({shown(names, 60)}), "
+                         f"got {shown(name)}")
+    return choice
