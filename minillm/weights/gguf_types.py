@@ -1,8 +1,8 @@
-# Generated from notebooks/06_weights.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/A1_untrusted_files.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """GGUF tensors into torch: every tensor type gguf-py decodes, each tensor checked against the file.
 
-Built in notebooks/06_weights.ipynb. `GGUF_TYPES` is what `gguf.quants.dequantize` decodes (26 of
+Built in notebooks/A1_untrusted_files.ipynb. `GGUF_TYPES` is what `gguf.quants.dequantize` decodes (26 of
 ggml's 34 types in gguf 0.19.0: the floats, Q4_0 to Q8_0, the K-quants, the IQ and TQ types, MXFP4
 and NVFP4), and `gguf_float` turns one tensor into float32 with it. A tensor of any other type
 (Q8_1, Q8_K, I8 to I64, F64, Q1_0) is refused with a WeightsError naming the tensor and the type,

@@ -1,8 +1,8 @@
-# Generated from notebooks/06_weights.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/A1_untrusted_files.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """The Hugging Face hub: a model's files from the local cache, else downloaded, checked by sha256.
 
-Built in notebooks/06_weights.ipynb. Only the files minillm reads are fetched (HUB_PATTERNS); the
+Built in notebooks/A1_untrusted_files.ipynb. Only the files minillm reads are fetched (HUB_PATTERNS); the
 endpoint and cache come from HF_ENDPOINT and HF_HOME, read at each call.
 """
 

@@ -160,8 +160,11 @@ def gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tup
 def validate_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> CausalLM:
     """A model on the meta device, after checking every tensor name and shape against it (no data)."""
     _validate_layer_count(config, shapes, source)  # before building: a bad count could mean 10**9 modules
-    with torch.device("meta"):
-        model = CausalLM(config)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(config)
+    except (ValueError, RuntimeError) as exc:  # a config no model has: heads not a multiple of kv heads, 2**31 wide
+        raise WeightsError(f"{source}: the config cannot build a model ({exc})") from None
     try:
         load_weights(model, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}, source=source)
     except ValueError as exc:  # missing, unexpected or wrong-shaped tensors
