@@ -1,1 +1,1 @@
-"""Speed on one device: quantization (13), the C++ int4/int8 CPU kernel and the fast path (15)."""
+"""Speed on one device: quantization (13), the fast path (15) and the C++ int4/int8 CPU kernel (appendix A4)."""
