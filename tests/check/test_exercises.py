@@ -491,8 +491,11 @@ def test_sse_parser_agrees_with_the_openai_client():
 
 
 def test_stream_answer_uses_output_events():
-    """The server streams what output_events returns (the exercise's function is the server's)."""
-    assert "output_events(out, reply, tokenizer, req.logprobs)" in inspect.getsource(server.stream_answer)
+    """The server streams what output_events returns (the exercise's function is the server's);
+    only an answer offered tools goes through tool_stream's events instead."""
+    source = inspect.getsource(server.stream_answer)
+    assert "events = tool_events if req.tools else output_events" in source
+    assert "events(out, reply, tokenizer, req.logprobs)" in source
 
 
 def test_explorations_accept_plausible_numbers(capsys):
