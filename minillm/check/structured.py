@@ -15,7 +15,10 @@ from functools import cache
 from types import SimpleNamespace
 
 from minillm.check.harness import close_to, fail, run_check, run_explore
+from minillm.text.constrained import Vocabulary
 from minillm.text.grammar import DFA, Star, integer_range, lit, schema_pattern, seq
+from minillm.text.tokenizer import Tokenizer
+from minillm.weights.embedded import embedded_gguf_path
 
 TOKENS = [b"<eos>", b"1", b"12", b"120", b"121", b"2", b"20", b"3", b"30", b"0", b"00", b"9", b"99", b"-", b"-1",
           b",", b", ", b', "', b', "x', b",1", b"a", b"ab", b"abb", b"b", b"b}", b"}", b"1}", b" ", b"\x80", b"x"]
@@ -68,7 +71,7 @@ def vocabulary_allowed(cls) -> bool:
                     fail(f"{name}, after {text!r}: token ids listed twice: {sorted(answer)}",
                          "each token id once: a token ends at exactly one node of the trie")
                 key = (name, text)
-                want[key] = _ids(lambda t: dfa.read(t, state) != DFA.DEAD)
+                want[key] = _ids(lambda t, dfa=dfa, state=state: dfa.read(t, state) != DFA.DEAD)
                 got[key] = sorted(answer)
                 for hint, rule in MISTAKES.items():
                     mistakes[hint][key] = rule(dfa, state)
@@ -100,12 +103,8 @@ AFTER = b'{"name": "Ann", "age": 12'
 
 @cache
 def _smol_vocabulary():
-    from minillm.text.constrained import Vocabulary  # the package's walk, not the student's
-    from minillm.text.tokenizer import Tokenizer
-    from minillm.weights.embedded import embedded_gguf_path
-
     tok = Tokenizer.from_gguf(embedded_gguf_path())
-    return tok, Vocabulary(tok, tok.vocab_size)
+    return tok, Vocabulary(tok, tok.vocab_size)  # the package's walk, not the student's
 
 
 @cache
