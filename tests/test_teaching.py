@@ -145,3 +145,22 @@ def test_notebook_closes_with_three_to_five_key_ideas(path):
     bullets = [l for l in sources[found[0]][1].splitlines() if re.match(r"[-*] |\d+\. ", l)]
     assert 3 <= len(bullets) <= 5, f"{path.name}: Key ideas has {len(bullets)} bullets, want 3 to 5"
     assert found[0] >= len(sources) - 6, f"{path.name}: Key ideas is cell {found[0]} of {len(sources)}, want it among the last"
+
+
+def notebook_minutes(path: Path) -> int:
+    """The first number of the opening's `**Time.**` line: the minutes to read and run it."""
+    for kind, src in cells(path)[:3]:
+        for line in src.splitlines():
+            if kind == "markdown" and line.startswith("**Time.**"):
+                return int(re.search(r"\d+", line).group())
+    raise AssertionError(f"{path.name}: no **Time.** line in the opening")
+
+
+def test_course_map_lists_every_notebook_with_its_time():
+    """The README's course map is the one page a student plans with: every lesson and appendix,
+    linked, with the time its own opening states (so the two cannot drift apart)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| \w\w \| \[[^\]]+\]\(notebooks/([\w\-]+\.ipynb)\) \|.*\| (\d+) min \|$", readme, re.M))
+    for path in NOTEBOOKS:
+        assert path.name in rows, f"README's course map has no row for {path.name} (with its time, 'N min')"
+        assert int(rows[path.name]) == notebook_minutes(path), f"README gives {path.name} {rows[path.name]} min, its opening {notebook_minutes(path)}"
