@@ -5,12 +5,12 @@
     python -m minillm info                       # what is inside a GGUF file
     python -m minillm serve --port 8000          # an OpenAI-compatible server on 127.0.0.1
     python -m minillm serve --api-key-file keys.txt --tokens-per-minute 20000 --request-timeout 120
-    python -m minillm generate "Hi" --quantize int4 --group-size 32   # int4 weights (notebook 13)
-    python -m minillm generate "Hi" --fast --quantize int4            # the fast path (notebook 15)
-    python -m minillm generate "Hi" --speculative int4 --num-draft 4  # speculative decoding (notebook 17)
+    python -m minillm generate "Hi" --quantize int4 --group-size 32   # int4 weights (notebook 12)
+    python -m minillm generate "Hi" --fast --quantize int4            # the fast path (notebook 13)
+    python -m minillm generate "Hi" --speculative int4 --num-draft 4  # speculative decoding (notebook 19)
     python -m minillm serve --speculative int4   # the engine speculates while few requests decode
-    python -m minillm generate "A city?" --json-schema city.json      # JSON that always parses (notebook 18)
-    torchrun --nproc-per-node 2 -m minillm serve --tensor-parallel 2 # one model over 2 ranks (notebook 20)
+    python -m minillm generate "A city?" --json-schema city.json      # JSON that always parses (notebook 14)
+    torchrun --nproc-per-node 2 -m minillm serve --tensor-parallel 2 # one model over 2 ranks (notebook 21)
 
 The default model is the embedded SmolLM2-135M-Instruct GGUF (offline); --model takes a hub
 id, a model folder or a .gguf file.
@@ -109,7 +109,7 @@ def _load(args, lora=None):
 
 
 def _ranks(args) -> Control | None:
-    """--tensor-parallel: the ranks' control channel (notebook 20); only rank 0 writes to stdout."""
+    """--tensor-parallel: the ranks' control channel (notebook 21); only rank 0 writes to stdout."""
     if args.tensor_parallel is None:
         return None
     control = Control()
@@ -119,7 +119,7 @@ def _ranks(args) -> Control | None:
 
 
 def lora_specs(args) -> dict[str, str]:
-    """serve's --lora NAME=PATH flags as {name: folder}, checked before the model loads (notebook 19)."""
+    """serve's --lora NAME=PATH flags as {name: folder}, checked before the model loads (notebook 20)."""
     specs = {}
     for spec in args.lora:
         name, sep, path = spec.partition("=")
@@ -140,7 +140,7 @@ def _add_weight_flags(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization: int8 (per channel), int4 (per group), or gguf "
                         "(keep a .gguf file's Q4_0/Q4_1/Q8_0 blocks, dequantize its other types; cpu); default: none")
     p.add_argument("--group-size", type=int, help="inputs per int4 scale: 32, 64, 128 or 256 (default: 32)")
-    p.add_argument("--fast", action="store_true", help="the fast path: fused projections, SDPA (notebook 15)")
+    p.add_argument("--fast", action="store_true", help="the fast path: fused projections, SDPA (notebook 13)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast path (needs --fast; "
                                                           "about 20 s of compiling the first time)")
 
@@ -230,7 +230,7 @@ def cmd_chat(args) -> int:
     history = [{"role": "system", "content": args.system}] if args.system else []
     start = list(history)
     while True:
-        line = read_line() if control is None else control.read_line()  # notebook 20: rank 0's line, on every rank
+        line = read_line() if control is None else control.read_line()  # notebook 21: rank 0's line, on every rank
         if line is None:  # Ctrl-D or Ctrl-C
             print()
             return 0
@@ -263,11 +263,11 @@ def cmd_serve(args) -> int:
     _validate_speculative(args)
     llm = _load(args)
     control = _ranks(args)
-    if control is not None and control.rank:  # notebook 20: a follower steps as rank 0's engine does
+    if control is not None and control.rank:  # notebook 21: a follower steps as rank 0's engine does
         follow(llm.model, llm.tokenizer, control)
         return 0
     drafter = _drafter(llm, args)  # before the adapters wrap the model: the drafter drafts for the base model
-    if adapters:  # notebook 19: requests pick one with model="<name>:<adapter>"
+    if adapters:  # notebook 20: requests pick one with model="<name>:<adapter>"
         llm.model = MultiLoRA(llm.model, adapters)
     name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model
                                       else "smollm2-135m-instruct")
@@ -284,7 +284,7 @@ def cmd_serve(args) -> int:
 
 
 def _engine_class(args, control, drafter) -> dict:
-    """serve's engine: notebook 12's, rank 0's under --tensor-parallel (nb 20), or speculating (nb 17)."""
+    """serve's engine: notebook 17's, rank 0's under --tensor-parallel (nb 21), or speculating (nb 19)."""
     if control is not None:
         return {"engine_class": partial(LeadEngine, control=control)}
     if drafter is not None:
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-in-flight", type=int, default=128, help="requests at once; more get 429 (default: 128)")
     serve.add_argument("--prefill-chunk", type=int, metavar="N", default=PREFILL_CHUNK,
                        help="prompt tokens computed per engine step, so that a long prompt does not stall the "
-                            f"answers being written (chunked prefill, notebook 12; 0: no limit; default: {PREFILL_CHUNK})")
+                            f"answers being written (chunked prefill, notebook 17; 0: no limit; default: {PREFILL_CHUNK})")
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="require `Authorization: Bearer KEY` on /v1/* (repeatable; also --api-key-file and "
                             "the MINILLM_API_KEY variable; without any key the server is open)")
@@ -330,17 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_weight_flags(serve)
     serve.add_argument("--tensor-parallel", type=int, metavar="N",
                        help="split the model over N ranks started by `torchrun --nproc-per-node N -m minillm ...` "
-                            "(gloo on CPU, NCCL on CUDA; notebook 20)")
+                            "(gloo on CPU, NCCL on CUDA; notebook 21)")
     serve.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                        help="serve a PEFT LoRA adapter beside the model (repeatable); a request picks it with "
-                            "model='<served model>:NAME' (notebook 19)")
+                            "model='<served model>:NAME' (notebook 20)")
     serve.add_argument("--speculative", metavar="DRAFTER",
-                       help="speculative decoding in the engine (notebook 17) while at most --speculative-max-batch "
+                       help="speculative decoding in the engine (notebook 19) while at most --speculative-max-batch "
                             "requests decode: int4 (the model's own int4 fast path drafts), ngram (prompt lookup), "
                             "or a draft model with the same tokenizer; the answers are unchanged")
     serve.add_argument("--num-draft", type=int, metavar="N", help="tokens drafted per round, at most (default: 4)")
     serve.add_argument("--speculative-max-batch", type=int, metavar="N",
-                       help="speculate while at most N requests decode (default: 2, measured in notebook 17)")
+                       help="speculate while at most N requests decode (default: 2, measured in notebook 19)")
     for name, help_text in (("generate", "answer one prompt, streaming"), ("chat", "interactive chat, streaming")):
         p = sub.add_parser(name, help=help_text)
         if name == "generate":
@@ -351,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
         _add_weight_flags(p)
         p.add_argument("--tensor-parallel", type=int, metavar="N", help="split the model over N ranks started by "
-                       "`torchrun --nproc-per-node N -m minillm ...` (notebook 20)")
-        p.add_argument("--lora", metavar="PATH", help="a PEFT LoRA adapter's folder, merged into the weights (notebook 19)")
+                       "`torchrun --nproc-per-node N -m minillm ...` (notebook 21)")
+        p.add_argument("--lora", metavar="PATH", help="a PEFT LoRA adapter's folder, merged into the weights (notebook 20)")
         p.add_argument("--system", help="a system prompt")
         p.add_argument("--max-new-tokens", type=int, default=256)
         p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
@@ -364,11 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         p.add_argument("--stats", action="store_true", help="print the metrics after each answer")
         p.add_argument("--speculative", metavar="DRAFTER",
-                       help="speculative decoding (notebook 17), the same answer in fewer forwards: int4 (the "
+                       help="speculative decoding (notebook 19), the same answer in fewer forwards: int4 (the "
                             "model's own int4 fast path drafts), ngram (prompt lookup), or a draft model with the "
                             "same tokenizer (hub id, folder or .gguf)")
         p.add_argument("--num-draft", type=int, metavar="N", help="tokens drafted per round, at most (default: 4)")
-        p.add_argument("--json", action="store_true", help="answer with a JSON object, always (notebook 18)")
+        p.add_argument("--json", action="store_true", help="answer with a JSON object, always (notebook 14)")
         p.add_argument("--json-schema", metavar="SCHEMA",
                        help="answer with JSON following this schema (JSON text or a .json file), always")
     return parser
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except RankLost as exc:  # notebook 20: another rank died or stopped answering
+    except RankLost as exc:  # notebook 21: another rank died or stopped answering
         print(f"minillm: error: {exc}", file=sys.stderr)
         return 1
 

@@ -3,7 +3,7 @@
 """The front door: `minillm.load(...)` -> `LLM`, with chat, generate and stream in a line each.
 
 Built in notebooks/10_generate.ipynb on the generation loop. `load` picks the loader for a hub id,
-a model folder or a .gguf file, applies the weight options of notebooks 13 (quantize) and 15
+a model folder or a .gguf file, applies the weight options of notebooks 12 (quantize) and 15
 (fast, compile), and checks every user-given string (device, dtype, quantize) first.
 """
 
@@ -74,7 +74,7 @@ class LLM(PromptScoring):
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, speculative=None,
              tools: list[dict] | None = None, tool_choice=None, template_name: str | None = None, **kwargs) -> Completion:
-        """Answer [{"role", "content"}, ...] by the chat template, or the one named; tools: notebook 18."""
+        """Answer [{"role", "content"}, ...] by the chat template, or the one named; tools: notebook 14."""
         if tools is not None or tool_choice is not None:
             return chat_with_tools(self, messages, params, speculative, tools, tool_choice, template_name, **kwargs)
         ids = self.encode_chat(messages, template_name=template_name)
@@ -126,12 +126,12 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
          tensor_parallel: int | None = None) -> LLM:
     """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct.
 
-    quantize (notebook 13): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
+    quantize (notebook 12): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
     the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks quantized and dequantizes
     its other tensor types to float32 (CPU).
-    fast (notebook 15): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too.
-    lora (notebook 19): a PEFT LoRA adapter's folder, merged into the float weights before the options.
-    tensor_parallel (notebook 20): N, in each of the N processes torchrun starts: this rank's shard."""
+    fast (notebook 13): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too.
+    lora (notebook 20): a PEFT LoRA adapter's folder, merged into the float weights before the options.
+    tensor_parallel (notebook 21): N, in each of the N processes torchrun starts: this rank's shard."""
     _validate_options(quantize, group_size, fast, compile, lora, tensor_parallel)  # before any work (Plumbing, below)
     adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     source = embedded_gguf_path() if model is None else model
@@ -143,14 +143,14 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     if quantize == "gguf":
         _validate_gguf_source(source, device, dtype)
     tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # fails before the weights
-    if tensor_parallel is not None:  # notebook 20: join the ranks, read this rank's slices
+    if tensor_parallel is not None:  # notebook 21: join the ranks, read this rank's slices
         net = load_rank_shard(source, tensor_parallel, dtype, device)
     elif quantize == "gguf":
-        net = load_gguf_quantized(path)  # notebook 13: the file's own 4-bit blocks, never float weights
+        net = load_gguf_quantized(path)  # notebook 12: the file's own 4-bit blocks, never float weights
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
         net = net if adapter is None else merge_adapter(net, adapter)  # W + B A, then quantize or fast
-        net = _weight_options(net, quantize, group_size, fast, compile)  # notebooks 13 and 15
+        net = _weight_options(net, quantize, group_size, fast, compile)  # notebooks 12 and 13
     return LLM(net, tokenizer if tokenizer is not None else load_tokenizer(source))  # a hub id: cached by now
 
 
@@ -164,7 +164,7 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
     return Tokenizer.from_folder(download(str(source)))  # a hub id: load_model has put it in the cache
 
 
-QUANTIZE = (*MODES, "gguf")  # notebook 13's modes, and keeping a .gguf file's own blocks
+QUANTIZE = (*MODES, "gguf")  # notebook 12's modes, and keeping a .gguf file's own blocks
 
 
 def _validate_options(quantize: str | None, group_size: int, fast: bool, compile: bool, lora=None,
@@ -198,7 +198,7 @@ def _validate_gguf_source(source: str | Path, device: str | torch.device | None,
 
 
 def _weight_options(net: CausalLM, quantize: str | None, group_size: int, fast: bool, compile: bool):
-    """Float weights as loaded -> the fast path (notebook 15), or quantized linears (notebook 13), or as they are."""
+    """Float weights as loaded -> the fast path (notebook 13), or quantized linears (notebook 12), or as they are."""
     if fast:
         net = FastCausalLM(net, quantize=quantize, group_size=group_size)
         if compile:

@@ -1,6 +1,6 @@
 """One layer's attention in a decode step: gather + SDPA against paged attention (FlexAttention).
 
-The measurement of notebook 11's "What it saves" cell, on any device, written to JSON so that the
+The measurement of notebook 15's "What it saves" cell, on any device, written to JSON so that the
 notebook can quote a run on a machine it does not run on (a GPU):
 
     python tools/bench_paged_attention.py --device cuda --out docs/bench/paged-attention-h200.json
@@ -11,7 +11,7 @@ key/value, copy every sequence's blocks into a dense batch) followed by scaled_d
 "paged" is BlockTableView.attend (write, then FlexAttention over the pool through the block tables).
 Each is timed as the median of `--repeats` runs of `--inner` calls, after two warm-up calls that
 compile. `key_block` and `query_block` are the block mask's block sizes: 4 and 1 as decode_layout
-ships them (a CPU workaround, notebook 11's Plumbing); the other layouts are built by the same code
+ships them (a CPU workaround, notebook 15's Plumbing); the other layouts are built by the same code
 with those numbers changed. `compiled` says whether the compiled kernel served the shape (else attend fell back
 to the uncompiled FlexAttention, and `error` says why). The package is imported without
 minillm/__init__ (which loads the whole front door), so torch is the only requirement.

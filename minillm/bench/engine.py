@@ -1,6 +1,6 @@
 """The benchmark's engine section (plumbing): continuous batching against a padded batch.
 
-minillm's engine (notebook 12) serves requests of mixed lengths as they come; transformers'
+minillm's engine (notebook 17) serves requests of mixed lengths as they come; transformers'
 generate runs them as one left-padded batch until the longest is done. Both are timed on the
 same requests and counted in useful tokens: each request's own max_new_tokens.
 """
@@ -51,7 +51,7 @@ def transformers_padded_batch(hf_model, requests, pad_id: int, **generate_kwargs
 
 
 def minillm_engine(model, tokenizer, requests, adapters=None) -> float:
-    """Seconds for the engine to run every request; adapters: a LoRA adapter's name per request (notebook 19)."""
+    """Seconds for the engine to run every request; adapters: a LoRA adapter's name per request (notebook 20)."""
     blocks = pool_blocks(len(p) + m for p, m in requests)  # every request's KV at once
     engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
                     enable_prefix_caching=False)

@@ -1,7 +1,7 @@
 """The benchmark's lora section (plumbing): what serving many LoRA adapters at once costs.
 
 The same requests (mixed lengths, seeded, greedy, end-of-sequence off) run three ways through
-minillm's engine: on the base model alone; on a MultiLoRA model (notebook 19) with every request
+minillm's engine: on the base model alone; on a MultiLoRA model (notebook 20) with every request
 on the base model (the wrapper's own cost); and spread over ADAPTERS random rank-RANK adapters on
 all seven projections, one batch mixing them (each row gathers its adapter). The peer is
 transformers with PEFT on the same adapters and requests: one left-padded batch, `adapter_names`

@@ -7,7 +7,7 @@ The cache holds random keys and values: a step's cost does not depend on them. O
 (`engine.forward_batch`, the fast model, every layer) is timed both ways, best of --repeats + 1:
 
 - gather: `PagedView` copies each sequence's blocks into a dense batch in every layer, then SDPA;
-- paged: `BlockTableView`, FlexAttention over the pool through a block mask (notebook 11).
+- paged: `BlockTableView`, FlexAttention over the pool through a block mask (notebook 16).
 
 Where the kernel cannot run, the paged rows are skipped with the reason. Both ways give the same
 logits (tests/cache/test_paged_flex.py); here only the time is measured.

@@ -4,7 +4,7 @@ Decoding one token at batch 1 reads every weight once, so its speed is bounded b
 machine multiplies a (1, K) vector by every weight matrix of the model: `ceilings` times exactly
 that, in the model dtype and through quant's Int8Linear / Int4Linear (the "ceiling" rows), and
 `own_ceiling` times a variant's own matrices in its own kernels, where they lie: minillm.bench
-reports each decode variant as a fraction of that. Notebook 15 explains the roofline.
+reports each decode variant as a fraction of that. Notebook 11 explains the roofline.
 """
 
 from __future__ import annotations

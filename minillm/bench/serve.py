@@ -6,7 +6,7 @@ and output lengths drawn from ranges, and a share of the prompts beginning with 
 shared system prompts (64 tokens: four full blocks a prefix cache can reuse). Each side serves
 the same requests in the same order as they arrive, greedy, end-of-sequence off:
 
-- minillm: the engine in-process (notebook 12, prefix caching on), stepped by this thread, each
+- minillm: the engine in-process (notebook 17, prefix caching on), stepped by this thread, each
   request added when it is due;
 - transformers' continuous batching: `ContinuousBatchingManager` (its paged cache, its
   scheduler, its own thread), each request added when it is due, its token timestamps recorded;
@@ -20,11 +20,11 @@ first token (arrival to first token) and inter-token latency (between consecutiv
 request) at p50/p90/p99, and goodput: requests per second that met both latency limits
 (--slo-ttft seconds to the first token, --slo-tpot seconds per later token, on average).
 
-The Poisson workload also goes through minillm's OpenAI server (notebook 14) over HTTP: uvicorn
+The Poisson workload also goes through minillm's OpenAI server (notebook 18) over HTTP: uvicorn
 in a thread of this process, the clients in another process (one thread per request),
 /v1/completions streamed with the prompt as token ids and `ignore_eos`; a token counts as
 delivered when its chunk arrives (variant "http vs in-process": the other column holds the
-in-process run). Then chunked prefill (notebook 12): a workload of long prompts (16-1024 tokens,
+in-process run). Then chunked prefill (notebook 17): a workload of long prompts (16-1024 tokens,
 Poisson at a quarter of --rate) on minillm's engine with --prefill-chunk prompt tokens per step,
 against the same engine prefilling each prompt whole; the row's "transformers" column holds the
 whole-prefill run (variant "chunked vs whole prefill").
@@ -155,7 +155,7 @@ def _clients(url: str, workload: list[Arrival], out) -> None:
 
 
 def http_serving(model, tokenizer, workload: list[Arrival]) -> list[list[float]]:
-    """Each request's token times through minillm's OpenAI server (notebook 14) over HTTP: uvicorn in
+    """Each request's token times through minillm's OpenAI server (notebook 18) over HTTP: uvicorn in
     a thread of this process, the clients in a process of their own (their threads would otherwise
     compete with the engine's for this interpreter's lock), streamed, the prompt as token ids."""
     blocks = pool_blocks(len(w.prompt) + w.max_new_tokens for w in workload)

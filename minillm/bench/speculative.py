@@ -13,7 +13,7 @@ quantization, the nearest to our int4 drafter that transformers runs), and the i
 give their speed against it.
 Every drafter guesses up to NUM_DRAFT tokens a round (adaptive). With --compile, one more row: the
 fast float32 path as the model (the same float32 weights, fused) with a torch.compile'd int4 drafter.
-The engine rows: the speculating engine (notebook 17, int4 drafter, its default k) against the plain
+The engine rows: the speculating engine (notebook 19, int4 drafter, its default k) against the plain
 engine, B requests at once (the two tasks' prompts, in turn), as the ratio of their times, and how many
 of the B answers equal the plain engine's.
 """
@@ -38,8 +38,8 @@ PASSAGE = ("Four score and seven years ago our fathers brought forth on this con
            "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great "
            "civil war, testing whether that nation, or any nation so conceived and so dedicated, can long endure.")
 SPEC_TOKENS = 64  # new tokens per task: the copy-edit answer is about this long, so lookup has text to copy
-NUM_DRAFT = 6  # notebook 17's sweep: the int4 drafter gains most at k = 6 to 8
-ENGINE_BATCHES = (1, 2, 4)  # requests at once: notebook 17 found the int4 drafter pays at 1 and 2
+NUM_DRAFT = 6  # notebook 19's sweep: the int4 drafter gains most at k = 6 to 8
+ENGINE_BATCHES = (1, 2, 4)  # requests at once: notebook 19 found the int4 drafter pays at 1 and 2
 TASKS = {"open": "Why is the sky blue? Explain it to a child.",
          "copy-edit": "Copy this text exactly, but fix the misspelled word: " + PASSAGE}
 

@@ -1,8 +1,8 @@
-# Generated from notebooks/11_paged_cache.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/15_block_manager.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """The paged KV cache: keys and values in fixed-size blocks, shared between sequences by prefix.
 
-Built in notebooks/11_paged_cache.ipynb, after vLLM's PagedAttention (Kwon et al., SOSP 2023) and
+Built in notebooks/15_block_manager.ipynb, after vLLM's PagedAttention (Kwon et al., SOSP 2023) and
 the block manager of nano-vllm, in plain PyTorch. Each layer keeps a pool of blocks, k and v of shape
 (num_blocks, block_size, Hkv, D) (`PagedKVCache`). The pure-Python `BlockManager` is built in three
 stages, each class extending the one before: `BlockPool`/`BlockAllocator` (free list, reference
@@ -338,11 +338,11 @@ def batch_layout(manager: BlockManager, seq_ids: list, new_tokens: int | list[in
     """Layout of a batch where row b computes its last new_tokens[b] accounted tokens (an int: the same for all).
 
     lengths: where each row's new tokens end (default: all its accounted tokens; a prompt
-    prefilled in chunks, notebook 12, stops earlier).
+    prefilled in chunks, notebook 17, stops earlier).
 
     Keys: S = C + T columns, C = max cached count, T = max new count. Row b's cached keys are
     right-aligned in the first C columns and its new tokens in the last T; the gaps are padding,
-    masked as keys. A row with fewer new tokens than T (a batched prefill, notebook 12) has
+    masked as keys. A row with fewer new tokens than T (a batched prefill, notebook 17) has
     padding queries, whose keys/values go to `sink_slot`.
     """
     lengths = list(lengths) if lengths is not None else [manager.num_tokens(s) for s in seq_ids]

@@ -1,6 +1,6 @@
-# Generated from notebooks/11_paged_cache.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/15_block_manager.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""The paged KV cache's input checks (notebook 11): each error names what was expected and what came.
+"""The paged KV cache's input checks (notebook 15): each error names what was expected and what came.
 
 Kept apart from minillm/cache/paged.py so that the lessons' code shows only the logic.
 """

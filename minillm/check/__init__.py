@@ -25,7 +25,7 @@ check_lora.py (19) and check_first_versions.py (the lessons' first versions in 0
 naive_attention, greedy_decode, fake_quant). The exploration tasks' checks (check.explore_<name>, named in EXPLORE,
 not in CHECKS: they take a measured number and run in the notebook) are in minillm/check/explore.py
 (counts and bytes), check_engine.py (12 and 14: measurements), validate_speculative.py (17) and
-check_lora.py (19); minillm/check/structured.py and parallel.py hold notebook 18's and 20's stubs and explorations. All run on the harness of minillm/check/harness.py;
+check_lora.py (19); minillm/check/structured.py and parallel.py hold notebook 14's and 20's stubs and explorations. All run on the harness of minillm/check/harness.py;
 this module names them (CHECKS, EXPLORE) and runs them.
 """
 
@@ -185,7 +185,7 @@ def _notebook_code(path: Path) -> tuple[str, list[str] | None]:
 def _solution_names(code: str) -> list[str] | None:
     """A reference notebook's exercises: the functions and Class.methods whose body holds a solution
     region (None when there is none: then every checkable name the code defines is checked). Without
-    this, a name another notebook's exercise uses (notebook 17's speculative `stream`) would be
+    this, a name another notebook's exercise uses (notebook 19's speculative `stream`) would be
     checked against the wrong exercise."""
     try:
         tree = ast.parse(code)

@@ -1,4 +1,4 @@
-"""Exercise checks of notebooks 12 and 14: the scheduler's admission and preemption, server-sent events.
+"""Exercise checks of notebooks 17 and 18: the scheduler's admission and preemption, server-sent events.
 
 Each takes a student's function and returns True (PASS) or False (FAIL, with feedback); see
 minillm/check/__init__.py for how they are called. The scheduler checks replay scripted traces (arrivals,
@@ -27,7 +27,7 @@ from minillm.utils.validate import is_number
 
 def _admit_ref(manager, waiting, running, max_num_seqs, max_model_len, *, skip=False, cap=True, plus_one=True,
                fresh_rule=True, reject=True):
-    """The admission rule of notebook 12, with switches that plant the known mistakes."""
+    """The admission rule of notebook 17, with switches that plant the known mistakes."""
     admitted, rejected, fresh, i = [], [], set(), 0
     while i < len(waiting) and (not cap or len(running) < max_num_seqs):
         seq = waiting[i]
@@ -93,7 +93,7 @@ _SCENARIOS = [
      {0: [("A", 9), ("B", 6), ("E", 24), ("C", 7), ("D", 2)], 3: [("F", 3)]}),
     ("growth in a pool of 6 blocks: A, B, C 8 tokens each fill it; every one needs a new block for its next token",
      6, False, 3, 64, 6, {0: [("A", 8), ("B", 8), ("C", 8)]}),
-    ("growth in a pool of 5 blocks, max_num_seqs=2: A, B, C 6 tokens (notebook 12's timeline)",
+    ("growth in a pool of 5 blocks, max_num_seqs=2: A, B, C 6 tokens (notebook 17's timeline)",
      5, False, 2, 64, 6, {0: [("A", 6), ("B", 6), ("C", 6)]}),
     ("prefix caching, pool of 16: A and B share an 8-token system prompt (2 blocks), C with it at step 3",
      16, True, 4, 64, 3, {0: [("A", _P + [1, 2]), ("B", _P + [3])], 3: [("C", _P + [4, 5, 6])]}),
@@ -223,7 +223,7 @@ def make_room(fn) -> bool:
 
 
 def explore_speedup_16(speedup_16, rates: dict | None = None) -> bool:
-    """Exploration (notebook 12): the engine's throughput with 16 concurrent requests over that with 1.
+    """Exploration (notebook 17): the engine's throughput with 16 concurrent requests over that with 1.
 
     rates: the notebook's measurements, {concurrent requests: tokens/s}. The check computes the reference
     from them and accepts 1% either way, naming the likely slip. Without them (a measurement it cannot
@@ -378,7 +378,7 @@ _SSE_MISTAKES = [
 
 
 def explore_text_share(text_share) -> bool:
-    """Exploration (notebook 14): the answer's text bytes over all the bytes its stream sent.
+    """Exploration (notebook 18): the answer's text bytes over all the bytes its stream sent.
 
     A measurement: each chunk repeats the answer's id, object, time and model around a few bytes of
     text, so the share is small but not zero."""

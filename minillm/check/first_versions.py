@@ -2,7 +2,7 @@
 
 Three lessons write a short version first and grow the package's function from it: notebook 02's
 `naive_attention` (the formula in three lines), notebook 10's `greedy_decode` (prefill, then one
-token per pass with the cache) and notebook 13's `fake_quant` (quantize and dequantize, one scale
+token per pass with the cache) and notebook 12's `fake_quant` (quantize and dequantize, one scale
 per group). They are not exported, so each check holds its own few lines of reference, with
 switches that plant the known mistakes, and compares the student's function with it.
 """

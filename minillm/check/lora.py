@@ -1,4 +1,4 @@
-"""Exercise checks of notebook 19 (plumbing): the multi-adapter linear, and its exploration.
+"""Exercise checks of notebook 20 (plumbing): the multi-adapter linear, and its exploration.
 
 `MultiLoRALinear.forward` is checked against the plainest reference there is: each row on its own,
 through its adapter's merged weight W + B_i A_i (index 0: the base model). A known mistake is named

@@ -1,4 +1,4 @@
-"""Exercise checks of notebook 20 (plumbing): which KV heads a tensor-parallel rank holds, and its exploration.
+"""Exercise checks of notebook 21 (plumbing): which KV heads a tensor-parallel rank holds, and its exploration.
 
 `Split.kv_heads` is checked on configurations with more KV heads than ranks, as many, and fewer,
 against the rule that defines it rather than against a copy of the notebook's code: grouped-query

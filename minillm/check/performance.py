@@ -1,4 +1,4 @@
-"""Exercise checks of notebook 15 (plumbing): the bytes a decode step reads, and where a GPU's step crosses its ridge.
+"""Exercise checks of notebook 11 (plumbing): the bytes a decode step reads, and where a GPU's step crosses its ridge.
 
 `decode_bytes(config, nbytes, context)` is checked on four real configurations (SmolLM2-135M and
 Qwen2.5-0.5B, tied heads and grouped-query attention; Qwen3-0.6B, whose heads are wider than the
@@ -11,7 +11,7 @@ that counting the norms' and biases' few numbers too is not a mistake; the cache
 mistake is named by the answers it gives on every case, computed here.
 
 The exploration asks from which batch SmolLM2's bf16 decode step, all its matrices together,
-would cross an H200's ridge (the data-sheet roofs notebook 15 assumes).
+would cross an H200's ridge (the data-sheet roofs notebook 11 assumes).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def decode_bytes(fn) -> bool:
 
 # ------------------------------------------------------------------ the exploration: an H200's crossover batch
 
-H200_BANDWIDTH, H200_BF16_FLOPS = 4.8e12, 989e12  # the data sheet's figures that notebook 15's GPUS assumes
+H200_BANDWIDTH, H200_BF16_FLOPS = 4.8e12, 989e12  # the data sheet's figures that notebook 11's GPUS assumes
 A100_BANDWIDTH, A100_BF16_FLOPS = 2.0e12, 312e12
 
 

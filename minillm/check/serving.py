@@ -1,4 +1,4 @@
-"""Exercise checks of notebooks 08-13: the KV cache, the paged cache, sampling, quantization.
+"""Exercise checks of notebooks 08-12: the KV cache, the paged cache, sampling, quantization.
 
 Each takes a student's function or class and returns True (PASS) or False (FAIL, with feedback);
 see minillm/check/__init__.py for how they are called.

@@ -1,4 +1,4 @@
-"""Exercise checks of notebook 17 (plumbing): speculative decoding's sampling rule, and its exploration.
+"""Exercise checks of notebook 19 (plumbing): speculative decoding's sampling rule, and its exploration.
 
 The rule is random, so its check is statistical: on a small vocabulary it draws thousands of guesses
 from a drafter's q, applies the student's rule, and compares the frequencies of the first token
@@ -94,7 +94,7 @@ def accept_sampled(fn) -> bool:
 
 # ------------------------------------------------------------------ the exploration: what prompt lookup saves
 
-EDIT = TASKS["copy-edit"]  # the benchmark's copy-edit task, notebook 17's too
+EDIT = TASKS["copy-edit"]  # the benchmark's copy-edit task, notebook 19's too
 
 
 @lru_cache(maxsize=1)
@@ -110,7 +110,7 @@ def lookup_forwards_saved(num_draft: int = 8) -> float:
 
 
 def explore_lookup_forwards_saved(value) -> bool:
-    """The share of forwards prompt lookup with num_draft=8 saves on notebook 17's copy-edit; within 0.02."""
+    """The share of forwards prompt lookup with num_draft=8 saves on notebook 19's copy-edit; within 0.02."""
     def body():
         want = lookup_forwards_saved()
         close_to("lookup_forwards_saved", value, want, abs_=0.02, mistakes=[

@@ -1,4 +1,4 @@
-"""Exercise checks of notebook 18 (plumbing): the trie walk that lifts a DFA to tokens, and its exploration.
+"""Exercise checks of notebook 14 (plumbing): the trie walk that lifts a DFA to tokens, and its exploration.
 
 `Vocabulary.allowed` is checked on a small made-up vocabulary whose tokens are prefixes of each
 other (`1`, `12`, `120`) and cross from one part of a pattern into the next (`1}`, `, "`), against

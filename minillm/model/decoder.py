@@ -205,7 +205,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
         q, k = apply_rope(q, cos, sin, check=False), apply_rope(k, cos, sin, check=False)  # shapes checked at entry
-        if hasattr(cache, "attend"):  # a paged cache that reads its own blocks (notebook 11) attends itself
+        if hasattr(cache, "attend"):  # a paged cache that reads its own blocks (notebook 15) attends itself
             out = cache.attend(q, k, v)  # (B, H, T, D)
         else:
             if cache is not None:  # keys/values of tokens 0..pos-1 are cached: append ours, attend to all
@@ -253,7 +253,7 @@ def padded_positions(attention_mask: torch.Tensor, start_pos: int) -> torch.Tens
 
 def validate_forward_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                          cache: list | None, start_pos: int, logits_to_keep: int | torch.Tensor) -> tuple[int, int, int]:
-    """The checks of forward's arguments, once per call (shared with the fast path of notebook 15);
+    """The checks of forward's arguments, once per call (shared with the fast path of notebook 13);
     returns (B, T, S). Nothing inside the layers checks again.
 
     The id range is read only from ids on the CPU: reading ids on a GPU would stall it once per
@@ -331,7 +331,7 @@ class CausalLM(nn.Module):
         x = keep_columns(x, logits_to_keep)  # (B, n, h): the head is the largest matrix; skip unneeded rows
         if self.lm_head is None:  # tied: the embedding matrix is the head
             return F.linear(x, self.model.embed_tokens.weight)  # (B, T, h) @ (h, V) -> (B, T, V)
-        return self.lm_head(x)  # (B, T, V); a module, so a quantized head (notebook 13) fits here too
+        return self.lm_head(x)  # (B, T, V); a module, so a quantized head (notebook 12) fits here too
 
 
 def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor], source: str = "state dict") -> list[str]:

@@ -1,8 +1,8 @@
-# Generated from notebooks/20_tensor_parallel.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/21_tensor_parallel.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Keeping tensor-parallel ranks in step: rank 0 leads, the other ranks follow.
 
-Built in notebooks/20_tensor_parallel.ipynb. Every rank runs the same program (SPMD): the logits
+Built in notebooks/21_tensor_parallel.ipynb. Every rank runs the same program (SPMD): the logits
 of minillm/parallel/tensor_parallel.py are whole on every rank, so the same inputs give every rank the
 same tokens, the same finished sequences and the same schedule. Only rank 0 hears the outside
 world (a line typed into the chat, an HTTP request, a client hanging up), so it sends what it

@@ -1,8 +1,8 @@
-# Generated from notebooks/20_tensor_parallel.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/21_tensor_parallel.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Tensor parallelism: one model split across ranks, Megatron-style, over torch.distributed.
 
-Built in notebooks/20_tensor_parallel.ipynb. Each of N ranks holds 1/N of every large matrix:
+Built in notebooks/21_tensor_parallel.ipynb. Each of N ranks holds 1/N of every large matrix:
 q/k/v and gate/up split by output rows (column-parallel), o_proj and down_proj by input columns
 (row-parallel: an all-reduce sums the ranks' partial outputs, two per block), the embedding and
 the head by vocabulary rows (an all-reduce after the lookup, an all-gather of the logits). KV

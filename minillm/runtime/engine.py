@@ -1,8 +1,8 @@
-# Generated from notebooks/12_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/17_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Continuous batching: admit, make_room -> Scheduler -> EngineCore.step -> Engine.
 
-Built in notebooks/12_engine.ipynb on the paged KV cache (notebook 11), for the requests of
+Built in notebooks/17_engine.ipynb on the paged KV cache (notebook 15), for the requests of
 minillm/runtime/sequence.py. Each step admits waiting sequences while KV blocks allow, and computes in
 one packed forward (minillm/cache/packed.py: no padding) the prompts to prefill (a long prompt in
 chunks of a per-step token budget, so that it does not stall the others) and one token for
@@ -11,8 +11,8 @@ sequences on their stop conditions and frees their blocks. Out of blocks:
 the newest running sequence is preempted (blocks freed, requeued, recomputed later). A request
 for n choices is prefilled once; its n sequences then share the prompt's blocks
 (BlockManager.fork, copy-on-write), and choice i samples with seed + i. A decode step over many
-cached tokens reads the blocks where they lie (notebook 11's FlexAttention path) wherever it
-runs; prefills and shorter decode steps gather them. A batch with LoRA adapters (notebook 19),
+cached tokens reads the blocks where they lie (notebook 16's FlexAttention path) wherever it
+runs; prefills and shorter decode steps gather them. A batch with LoRA adapters (notebook 20),
 chosen per row, runs padded forwards instead. In the manner of nano-vllm, without its
 global context.
 
@@ -53,7 +53,7 @@ def admit(manager: BlockManager, waiting: deque[Sequence], running: list[Sequenc
     fresh: set[int] = set()  # blocks newly given out in this call: their keys exist only after this step's prefill
     while waiting and len(running) < max_num_seqs:
         seq = waiting[0]
-        ids, salt = seq.token_ids, seq.cache_salt  # an adapter's own keys (nb 19); a scored prompt shares none
+        ids, salt = seq.token_ids, seq.cache_salt  # an adapter's own keys (nb 20); a scored prompt shares none
         if manager.blocks_needed(len(ids) + 1) > manager.num_blocks or len(ids) >= max_model_len:
             waiting.popleft()
             rejected.append(seq)
@@ -174,7 +174,7 @@ class Scheduler:
 
 
 def paged_step(attention: str, model: CausalLM, manager: BlockManager, seq_ids: list, T: int) -> bool:
-    """Does this step read the blocks in place (notebook 11)? Only a decode step (T = 1): always with
+    """Does this step read the blocks in place (notebook 15)? Only a decode step (T = 1): always with
     "paged"; with "auto", from PAGED_MIN_TOKENS tokens held, where the kernel runs (probed once)."""
     if T != 1 or attention == "gather":
         return False
@@ -203,7 +203,7 @@ def forward_batch(model: CausalLM, cache: list, manager: BlockManager, seqs: lis
         views, mask = [PagedView(c, layout) for c in cache], None if alike else layout.attention_mask
     loras = {"adapter_ids": torch.tensor([s.lora for s in seqs], device=device)} if any(s.lora for s in seqs) else {}
     logits = model(ids, positions=layout.positions, attention_mask=mask, cache=views, start_pos=layout.start_pos,
-                   logits_to_keep=1, **loras)  # (B, 1, V); LoRA: nb 19
+                   logits_to_keep=1, **loras)  # (B, 1, V); LoRA: nb 20
     return logits[:, -1]  # every row's last new token sits in the last column
 
 
@@ -367,12 +367,12 @@ class EngineCore:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
         self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
-        self.attention = validate_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 11
+        self.attention = validate_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 15
         self.max_prefill_tokens = max_prefill_tokens  # new tokens per packed forward
         self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings, validate_chunk(prefill_chunk))
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
         self.finish_reasons: Counter[str] = Counter()  # how requests ended: stop, length, abort, error
-        self._ids, self.constraints = itertools.count(), Constraints(tokenizer, model.config.vocab_size)  # nb 18
+        self._ids, self.constraints = itertools.count(), Constraints(tokenizer, model.config.vocab_size)  # nb 14
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -415,8 +415,8 @@ class Engine(EngineCore):
             ids, params, text = validate_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
                                               prompt_ids, params, max_new_tokens, stop, eos_token_ids)
             return Sequence(next(self._ids), ids, params, text, make_generator(params.seed, self.device),
-                            constraint=self.constraints.for_format(response_format),  # nb 18: one per choice
-                            lora=adapter_index(self.model, adapter))  # nb 19: 0, or its adapter's index
+                            constraint=self.constraints.for_format(response_format),  # nb 14: one per choice
+                            lora=adapter_index(self.model, adapter))  # nb 20: 0, or its adapter's index
         return with_forks([choice(p) for p in choice_params(params, n)], prompt_logprobs)
 
     def submit(self, seq: Sequence) -> int:

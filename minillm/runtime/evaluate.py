@@ -1,8 +1,8 @@
-# Generated from notebooks/13_quantization.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/12_quantization.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """How close a changed model stays to the original: perplexity, KL divergence, greedy agreement.
 
-Built in notebooks/13_quantization.ipynb; compares any two models with the same vocabulary.
+Built in notebooks/12_quantization.ipynb; compares any two models with the same vocabulary.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class StopStrings:
 
 
 class TextStream:
-    """The text and the finish rule of one request, shared by `stream` and the engine (notebook 12).
+    """The text and the finish rule of one request, shared by `stream` and the engine (notebook 17).
 
     push(token) takes each sampled token and returns (the text it completes, the finish reason or
     None): "stop" for an end-of-turn token (not itself text) or a stop string (cut before it),
@@ -158,7 +158,7 @@ class Completion:
     finish_reason: str
     metrics: Metrics
     logprobs: list[float] = field(default_factory=list)
-    tool_calls: list[dict] = field(default_factory=list)  # LLM.chat(tools=...): OpenAI's tool calls (notebook 18)
+    tool_calls: list[dict] = field(default_factory=list)  # LLM.chat(tools=...): OpenAI's tool calls (notebook 14)
 
 
 @torch.no_grad()
@@ -187,7 +187,7 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     prefill_done = synchronized_time(device)
     seen, finish, first_token_at = list(prompt_ids), None, None
     while finish is None:
-        logits = apply_constraints(logits, [constraint])  # structured outputs (notebook 18); None: unchanged
+        logits = apply_constraints(logits, [constraint])  # structured outputs (notebook 14); None: unchanged
         pick = sample(logits, params, generator, token_ids=[seen], prompt_lengths=[len(prompt_ids)])
         token = int(pick.tokens[0])  # the one read-back a step needs: the host decides what comes next
         first_token_at = first_token_at or synchronized_time(device)

@@ -1,6 +1,6 @@
-# Generated from notebooks/12_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/17_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""One request's state in the engine (notebook 12): `Sequence`, the `Output` of a step, and the
+"""One request's state in the engine (notebook 17): `Sequence`, the `Output` of a step, and the
 checks of a request.
 
 A sequence is waiting, prefilling (admitted, its prompt computed a chunk per step), running
@@ -40,8 +40,8 @@ class Sequence:
     num_cached: int = 0  # leading tokens whose KV the prefix cache already held at admission
     num_computed: int = 0  # leading tokens whose KV is computed, while PREFILLING (a chunk a step)
     forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for this one's prefill
-    constraint: object | None = None  # structured outputs (notebook 18): masks its logits, reads its tokens
-    lora: int = 0  # its LoRA adapter's index in the model (notebook 19), 0: none
+    constraint: object | None = None  # structured outputs (notebook 14): masks its logits, reads its tokens
+    lora: int = 0  # its LoRA adapter's index in the model (notebook 20), 0: none
     prompt_logprobs: int | None = None  # score the prompt (nb 10), with this many alternatives; None: no
     prompt_scores: dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top), as computed
 
@@ -51,7 +51,7 @@ class Sequence:
 
     @property
     def cache_salt(self):
-        """Heads its prefix-cache keys: an adapter's keys and values are its own (nb 19); a prompt being
+        """Heads its prefix-cache keys: an adapter's keys and values are its own (nb 20); a prompt being
         scored shares no prefix, since every position's logits must be computed."""
         return ("scored", self.id) if self.prompt_logprobs is not None else self.lora or None
 

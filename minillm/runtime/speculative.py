@@ -1,8 +1,8 @@
-# Generated from notebooks/17_speculative.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/19_speculative.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Speculative decoding: a cheap drafter proposes k tokens, the model checks them in one forward.
 
-Built in notebooks/17_speculative.ipynb. A decode step of a small model on a CPU is bound by
+Built in notebooks/19_speculative.ipynb. A decode step of a small model on a CPU is bound by
 reading the weights, so a forward over k + 1 positions costs about as much as over one. Greedy:
 the drafts equal to the model's argmax are kept, then the model's own token, so the text is
 exactly plain greedy decoding's. Sampling: draft x, drawn from the drafter's q, is kept with
@@ -118,7 +118,7 @@ class ModelDrafter:
 
 
 def int4_drafter(model, group_size: int = 32) -> ModelDrafter:
-    """Self-speculation: the model's own int4 fast path drafts for it (notebooks 13 and 15)."""
+    """Self-speculation: the model's own int4 fast path drafts for it (notebooks 12 and 13)."""
     return ModelDrafter(FastCausalLM(model, quantize="int4", group_size=group_size))
 
 

@@ -1,13 +1,13 @@
-# Generated from notebooks/17_speculative.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/19_speculative.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""Speculation inside the continuous-batching engine (notebook 12): `SpeculativeEngine`.
+"""Speculation inside the continuous-batching engine (notebook 17): `SpeculativeEngine`.
 
-Built in notebooks/17_speculative.ipynb. While at most `max_batch` sequences decode, each drafts
+Built in notebooks/19_speculative.ipynb. While at most `max_batch` sequences decode, each drafts
 up to num_draft tokens with a drafter of its own (a copy of the one given, started per sequence),
 and the step verifies them all in one packed forward: every sequence's pending token and drafts
 are a segment of the packed row (minillm/cache/packed.py), causal after the keys it has cached, with
-logits kept at every position. `judge` (notebook 17's rule) decides per sequence; the blocks the
-rejected drafts took are given back (`rollback`). Above max_batch a step runs as notebook 12's:
+logits kept at every position. `judge` (notebook 19's rule) decides per sequence; the blocks the
+rejected drafts took are given back (`rollback`). Above max_batch a step runs as notebook 17's:
 a batched decode step is no longer memory-bound, so k + 1 positions stop costing about one.
 
 Shape legend: k draft tokens, V vocabulary, N packed tokens.
@@ -102,7 +102,7 @@ def drafter_of(drafters: dict, prototype, num_draft: int, seq: Sequence) -> list
 
 
 class SpeculativeEngine(Engine):
-    """notebook 12's Engine, drafting for each decoding sequence while at most max_batch decode.
+    """notebook 17's Engine, drafting for each decoding sequence while at most max_batch decode.
 
     drafter: a drafter (NgramDrafter, ModelDrafter, int4_drafter(model)); each sequence gets a copy,
     started for it. stats: the counts of every speculating step, all sequences together."""
@@ -118,7 +118,7 @@ class SpeculativeEngine(Engine):
         self.stats = SpeculationStats()
 
     def speculates(self, decoding: list[Sequence]) -> bool:
-        """Draft this step? While few decode; never for a constrained (nb 18) or LoRA (nb 19) row."""
+        """Draft this step? While few decode; never for a constrained (nb 14) or LoRA (nb 20) row."""
         return 0 < len(decoding) <= self.max_batch and not any(s.constraint or s.lora for s in decoding)
 
     @torch.no_grad()
@@ -126,7 +126,7 @@ class SpeculativeEngine(Engine):
         prefills, decoding, rejected = self.scheduler.schedule()
         if not self.speculates(decoding):
             self.drafters = {}  # a drafter's cache may hold a whole context: only the speculating keep one
-            return self.run(prefills, decoding, rejected)  # notebook 12's step
+            return self.run(prefills, decoding, rejected)  # notebook 17's step
         self.drafters = {seq.id: drafter_of(self.drafters, self.drafter, self.num_draft, seq) for seq in decoding}
         drafts = [draft_tokens(self.manager, seq, *self.drafters[seq.id]) for seq in decoding]
         outputs = self.run(prefills, [], rejected)  # the prompt chunks (and the block copies drafting made)

@@ -1,8 +1,8 @@
-# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/18_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Every request field of OpenAI's spec, and what minillm's server does with it; the small endpoints.
 
-Built in notebooks/14_server.ipynb (its Plumbing section). The tables list, for /v1/chat/completions
+Built in notebooks/18_server.ipynb (its Plumbing section). The tables list, for /v1/chat/completions
 and /v1/completions, each request field of OpenAI's OpenAPI spec (github.com/openai/openai-openapi;
 the schemas are in data/openai-openapi/) and minillm's own extensions: what the server does with it.
 A field the server does not do is refused with a 400 naming it (`error.param`), never silently
@@ -33,7 +33,7 @@ LOG = logging.getLogger("minillm.serve")
 
 SUPPORTED = "supported"
 NO_EFFECT = "accepted, no effect: there is nothing for a local server to do with it"
-SHARED = {  # the fields of both endpoints that the server reads (notebook 14's table gives their ranges)
+SHARED = {  # the fields of both endpoints that the server reads (notebook 18's table gives their ranges)
     "model": SUPPORTED, "max_tokens": SUPPORTED, "temperature": SUPPORTED, "top_p": SUPPORTED, "n": SUPPORTED,
     "seed": SUPPORTED, "stop": SUPPORTED, "stream": SUPPORTED, "stream_options": SUPPORTED,
     "presence_penalty": SUPPORTED, "frequency_penalty": SUPPORTED, "user": NO_EFFECT,

@@ -1,9 +1,9 @@
-# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/18_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """The OpenAI HTTP protocol of minillm's server: request checks, response shapes, error JSON.
 
-Built in notebooks/14_server.ipynb. Every field of a request is checked here, by hand, so each
-bad value gets OpenAI's error JSON naming its parameter (the table in notebook 14 lists the
+Built in notebooks/18_server.ipynb. Every field of a request is checked here, by hand, so each
+bad value gets OpenAI's error JSON naming its parameter (the table in notebook 18 lists the
 fields and their ranges); the server (minillm/serve/server.py) runs what passes.
 """
 
@@ -304,7 +304,7 @@ def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
 
 
 def requested_model(body: dict, model_name: str, adapters: list[str]) -> tuple[str, str | None]:
-    """(model id, LoRA adapter or None): the served model, or "<served model>:<adapter>" (notebook 19)."""
+    """(model id, LoRA adapter or None): the served model, or "<served model>:<adapter>" (notebook 20)."""
     model = model_name if body.get("model") is None else body["model"]
     if not isinstance(model, str):
         raise APIError(400, f"model must be a string, an id that GET /v1/models lists, got {shown(model)}", "model")
@@ -339,7 +339,7 @@ class ParsedRequest:
 def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
                   chat: bool = True, constraints=None, adapters: list[str] = ()) -> ParsedRequest:
     """Check the request against the context, OpenAI's ranges and SamplingParams; the engine's
-    arguments and the options. The table in notebook 14 lists every field and its range."""
+    arguments and the options. The table in notebook 18 lists every field and its range."""
     model, adapter = requested_model(body, model_name, list(adapters))
     stream = _flag(body, "stream")
     n, best_of = _choices(body, chat, stream)

@@ -1,7 +1,7 @@
 """What an operator needs around minillm's server: API keys, per-key limits, Prometheus metrics,
 a JSON access log and a graceful shutdown.
 
-A plain module (no notebook): nothing here is about inference. Notebook 14 shows each piece at
+A plain module (no notebook): nothing here is about inference. Notebook 18 shows each piece at
 work and minillm/serve/server.py composes them; docs/server.md ("Running the server for others") lists the flags.
 
 - `APIKeys`: `Authorization: Bearer KEY` against the configured keys, compared in constant time;

@@ -1,8 +1,8 @@
-# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/18_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """The server's plumbing: the in-flight limit (429) and errors as OpenAI's JSON, always.
 
-Built in notebooks/14_server.ipynb (its Plumbing section). `InFlight` counts the requests between
+Built in notebooks/18_server.ipynb (its Plumbing section). `InFlight` counts the requests between
 their arrival and their end and refuses one past the limit; `as_api_error` is the one rule that turns
 any exception into the error a client gets, and `add_error_handlers` registers it on an app for our
 APIErrors, the gate's refusals (minillm/serve/ops.py), the framework's 404 and 405, and bugs.

@@ -1,8 +1,8 @@
-# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/18_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """An OpenAI-compatible HTTP server over the continuous-batching engine.
 
-Built in notebooks/14_server.ipynb. One background thread owns the Engine (notebook 12) and steps it while any
+Built in notebooks/18_server.ipynb. One background thread owns the Engine (notebook 17) and steps it while any
 request is unfinished; each request gets an asyncio.Queue of its Outputs, handed over with loop.call_soon_threadsafe,
 so concurrent requests share forward passes. A client that hangs up mid-stream aborts its request, which frees its
 KV blocks. A request for n choices is one engine request: its prompt is prefilled once, its choices share its blocks.
@@ -286,7 +286,7 @@ def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int,
             check_fields(body, CHAT_FIELDS if chat else TEXT_FIELDS, lenient)  # a field it does not do: 400
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
             req = parse_completion(body, ids, context, llm.model.config.vocab_size, model_name, chat,
-                                bridge.engine.constraints, adapter_names(llm.model))  # notebooks 18 and 19
+                                bridge.engine.constraints, adapter_names(llm.model))  # notebooks 14 and 20
             reply = Reply(chat, req.model, len(ids), req.tools, req.one_call)
             record.begin(reply.head["id"], len(ids))
             if not req.stream:
@@ -309,7 +309,7 @@ def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int,
 
 
 def model_list(model_name: str, context: int, adapters: list[str] = ()) -> dict:
-    """The body of GET /v1/models: the served model, its LoRA adapters (notebook 19), the context length."""
+    """The body of GET /v1/models: the served model, its LoRA adapters (notebook 20), the context length."""
     entry = {"object": "model", "created": 0, "owned_by": "minillm", "max_model_len": context}
     return {"object": "list", "data": [{"id": model_name, **entry}] +
             [{"id": f"{model_name}:{name}", "parent": model_name, **entry} for name in adapters]}
@@ -323,7 +323,7 @@ def health_report(bridge: EngineBridge, gate: Gate) -> dict:
             "in_flight": gate.in_flight.count}
 
 
-PREFILL_CHUNK = 512  # prompt tokens per engine step (notebook 12's chunked prefill)
+PREFILL_CHUNK = 512  # prompt tokens per engine step (notebook 17's chunked prefill)
 
 
 def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, block_size: int = 16,
@@ -333,7 +333,7 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
                shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=Engine,
                lenient: bool = False) -> FastAPI:
     """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine
-    (prefill_chunk: its prompt tokens per step; None: every prompt whole; engine_class: nb 20's LeadEngine;
+    (prefill_chunk: its prompt tokens per step; None: every prompt whole; engine_class: nb 21's LeadEngine;
     lenient: a request field the server does not know is logged and ignored, not refused)."""
     bridge = EngineBridge(engine_class(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
     bridge.request_timeout = validate_seconds("request_timeout", request_timeout, none_ok=True)

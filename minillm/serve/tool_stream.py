@@ -1,9 +1,9 @@
-# Generated from notebooks/14_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/18_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Tool calls streamed as OpenAI streams them: text as it comes until a call can begin, then each call's
 name, then its arguments in fragments.
 
-Built in notebooks/14_server.ipynb (its section "Streaming tool calls"). A model calls a function by
+Built in notebooks/18_server.ipynb (its section "Streaming tool calls"). A model calls a function by
 writing <tool_call>{"name": ..., "arguments": {...}}</tool_call> (minillm/text/tool_calls.py). A stream
 that offered tools sends its text at once, holding back only what could still be the start of
 <tool_call> (and trailing whitespace, which the whole answer strips around calls). Inside a block, a

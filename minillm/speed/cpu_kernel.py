@@ -2,7 +2,7 @@
 
 """int4 and int8 matrix products on int8 activations, llama.cpp's way, in a small C++ kernel.
 
-Built in notebooks/A4_a_cpu_kernel.ipynb, the appendix of notebook 15. The activations are quantized
+Built in notebooks/A4_a_cpu_kernel.ipynb, the appendix of notebook 13. The activations are quantized
 to int8 per block of 32, so the inner loop is an integer dot product of 32 weight nibbles with 32
 int8 values; per block, y += d * dx * dot(q, qx) + m * dx * sum(qx) for weights w = d * q + m.
 The int4 weights lie in tiles of 16 rows, one vector lane per row, so that one loop serves a decode
@@ -145,7 +145,7 @@ class DotLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
         try:
             y = self.products(x.reshape(-1, self.in_features).float().contiguous())  # (M, K) -> (M, N) float32
-        except RuntimeError:  # the input is checked only when the kernel fails, as notebook 13's layers
+        except RuntimeError:  # the input is checked only when the kernel fails, as notebook 12's layers
             validate_quant_input(x, self.in_features, "dot8", self.mode)
             raise
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -195,7 +195,7 @@ class Int8DotLinear(DotLinear):
     def products(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, N)
         if x.shape[0] <= MATVEC_ROWS:
             return torch.ops.minillm_cpu.int8_matvec(x, self.qweight, self.scales)
-        return F.linear(x, dequantize_int8(self.qweight, self.scales))  # notebook 13's float table
+        return F.linear(x, dequantize_int8(self.qweight, self.scales))  # notebook 12's float table
 
 
 def use_dot8(kernel: str, mode: str | None, device: torch.device | str) -> bool:

@@ -2,7 +2,7 @@
 
 """The C++ source of minillm's CPU kernel, as strings: minillm/speed/cpu_kernel.py compiles and loads it.
 
-Built step by step in notebooks/A4_a_cpu_kernel.ipynb (the appendix of notebook 15): int8
+Built step by step in notebooks/A4_a_cpu_kernel.ipynb (the appendix of notebook 13): int8
 activations, one vector lane per weight row, integer dot products, several activation rows per
 weight load, the torch ops.
 """

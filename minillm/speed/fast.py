@@ -1,8 +1,8 @@
-# Generated from notebooks/15_performance.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/13_fast_path.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """The fast decode path: the same model and forward contract as CausalLM, less per-token overhead.
 
-Built in notebooks/15_performance.ipynb ("Where the time goes"). `FastCausalLM(model)` takes a
+Built in notebooks/13_fast_path.ipynb ("Where the time goes"). `FastCausalLM(model)` takes a
 loaded CausalLM and rebuilds its layers for speed, keeping `forward(input_ids, positions,
 attention_mask, cache, start_pos)`, so generate, the engine and the server run it unchanged:
 
@@ -123,7 +123,7 @@ class FastLayer(nn.Module):
         rotated = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)  # rotate_half, q and k at once
         qk = qk * cos + rotated * sin  # cos, sin (B or 1, T, 1, D) broadcast over the heads
         q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        if hasattr(cache, "attend"):  # paged attention (notebook 11): the cache reads its own blocks
+        if hasattr(cache, "attend"):  # paged attention (notebook 16): the cache reads its own blocks
             out = cache.attend(q, k, v)  # (B, H, T, D)
         else:
             k, v = (k, v) if cache is None else cache.update(pos, k, v)  # (B, Hkv, pos + T, D)

@@ -1,8 +1,8 @@
-# Generated from notebooks/13_quantization.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/12_quantization.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Weight-only quantization: int8 per channel, int4 per group, and GGUF's Q8_0 / Q4_0 / Q4_1 blocks.
 
-Built in notebooks/13_quantization.ipynb. Weights are stored in 8 or 4 bits with a float scale
+Built in notebooks/12_quantization.ipynb. Weights are stored in 8 or 4 bits with a float scale
 (and, for int4, a zero) per output channel or per group of inputs; activations stay in floating
 point. A quantized linear has a `reference` path (dequantize, then `F.linear`) and a `packed` path
 (torch's weight-only int8/int4 CPU kernels, fast on bf16 activations).

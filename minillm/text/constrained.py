@@ -1,8 +1,8 @@
-# Generated from notebooks/18_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/14_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Constrained decoding, part 2: a JSON schema's automaton lifted to a per-step mask over the tokens.
 
-Built in notebooks/18_structured_outputs.ipynb on minillm/text/grammar.py. A token is allowed in a DFA
+Built in notebooks/14_structured_outputs.ipynb on minillm/text/grammar.py. A token is allowed in a DFA
 state when the DFA reads all of its bytes from there; one walk of a trie of the vocabulary finds
 every allowed token at once, and the mask is kept per state. `JSONConstraint` follows one request:
 mask() before a step, advance(token) after. `GuidanceConstraint` is the same contract on llguidance

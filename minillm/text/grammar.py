@@ -1,8 +1,8 @@
-# Generated from notebooks/18_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/14_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Patterns over bytes, their automata, and the patterns of a JSON schema (constrained decoding, part 1).
 
-Built in notebooks/18_structured_outputs.ipynb. A pattern (`Byte`, `Seq`, `Alt`, `Star`, `Sep`) describes a
+Built in notebooks/14_structured_outputs.ipynb. A pattern (`Byte`, `Seq`, `Alt`, `Star`, `Sep`) describes a
 set of byte strings; Thompson's construction turns it into an NFA (Ken Thompson, "Regular Expression
 Search Algorithm", CACM 1968; Russ Cox, "Regular Expression Matching Can Be Simple And Fast"), and
 subset construction, done lazily, into a DFA whose states are numbered as they are met.

@@ -1,8 +1,8 @@
-# Generated from notebooks/18_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/14_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Tool calls: OpenAI's tools and tool_choice over a chat template, in the Hermes format of Qwen2.5 and Qwen3.
 
-Built in notebooks/18_structured_outputs.ipynb on minillm/text/constrained.py. A model calls a function
+Built in notebooks/14_structured_outputs.ipynb on minillm/text/constrained.py. A model calls a function
 by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A chat template that renders
 tools itself (Qwen's) gets them as they are; for one that does not (SmolLM2's), the functions are
 described in the system message and earlier calls and results are written as text.

@@ -2,7 +2,7 @@
 
 """Opening a GGUF file: the one place in minillm that does, and the one error for a bad weights file.
 
-Built in notebooks/A1_untrusted_files.ipynb. The weights loader, the quantized loader (notebook 13), the
+Built in notebooks/A1_untrusted_files.ipynb. The weights loader, the quantized loader (notebook 12), the
 tokenizer (notebook 07) and the command line all read GGUF files through `read_gguf`, so a
 truncated or corrupt file gets the same message everywhere, never an IndexError from the parser.
 It walks the header itself first (`check_gguf_header`): gguf-py trusts every count in the file,

@@ -6,7 +6,7 @@ Built in notebooks/A1_untrusted_files.ipynb. `GGUF_TYPES` is what `gguf.quants.d
 ggml's 34 types in gguf 0.19.0: the floats, Q4_0 to Q8_0, the K-quants, the IQ and TQ types, MXFP4
 and NVFP4), and `gguf_float` turns one tensor into float32 with it. A tensor of any other type
 (Q8_1, Q8_K, I8 to I64, F64, Q1_0) is refused with a WeightsError naming the tensor and the type,
-before any data is read. Notebook 13 keeps Q4_0/Q4_1/Q8_0 blocks quantized with minillm's own
+before any data is read. Notebook 12 keeps Q4_0/Q4_1/Q8_0 blocks quantized with minillm's own
 decoders (bit-exact against gguf-py); every other type is dequantized by `gguf_float`.
 """
 

@@ -236,7 +236,7 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
 
 def open_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator, str]:
     """Check a folder's config and safetensors headers; return its config, {name: shape}, the stream of
-    (name, tensor) and the source errors name (notebook 20's sharded loader reads the same stream)."""
+    (name, tensor) and the source errors name (notebook 21's sharded loader reads the same stream)."""
     folder = Path(folder)
     where = checkpoint_files(folder)
     config = ModelConfig.from_json(folder / "config.json")

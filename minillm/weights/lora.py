@@ -1,8 +1,8 @@
-# Generated from notebooks/19_lora.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/20_lora.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """LoRA: low-rank adapters, trained on a frozen model, saved and read in PEFT's format, many served at once.
 
-Built in notebooks/19_lora.ipynb. An adapter changes a linear layer's weight W (out, in) by
+Built in notebooks/20_lora.ipynb. An adapter changes a linear layer's weight W (out, in) by
 B @ A * scaling, with A (r, in) and B (out, r) for a small rank r. `LoRALinear` trains one;
 `save_adapter` and `read_adapter` write and read PEFT's files (adapter_config.json,
 adapter_model.safetensors); `merge_adapter` folds an adapter into the weights and

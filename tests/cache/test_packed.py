@@ -1,4 +1,4 @@
-"""Packed (varlen) forwards (minillm/cache/packed.py, notebook 12): a step's new tokens in one row, each
+"""Packed (varlen) forwards (minillm/cache/packed.py, notebook 17): a step's new tokens in one row, each
 sequence's attention kept apart, against the plain full recompute of every sequence alone; the
 model's tensor `logits_to_keep` against slicing the full logits; the engine's plan of a step;
 planted bugs the comparison must catch."""

@@ -1,4 +1,4 @@
-"""Paged attention (minillm/cache/paged_attention.py, notebook 11): the online softmax against torch's
+"""Paged attention (minillm/cache/paged_attention.py, notebook 16): the online softmax against torch's
 softmax, and attention read block by block through a block table against the gathered keys and
 torch's scaled_dot_product_attention, with planted bugs that the comparison must catch."""
 

@@ -1,4 +1,4 @@
-"""Paged attention's fast path (minillm/cache/paged_attention.py, notebook 11): FlexAttention reading the
+"""Paged attention's fast path (minillm/cache/paged_attention.py, notebook 16): FlexAttention reading the
 pool through the block tables, against the gathered keys and torch's scaled_dot_product_attention;
 the engine on that path against one-at-a-time generation; planted bugs the comparison must catch;
 the choice of path and its errors."""

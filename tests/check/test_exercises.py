@@ -48,7 +48,7 @@ def test_exercise_notebooks_are_current():
 def test_every_concept_notebook_has_an_exercise():
     names = {p.name for p in EXERCISES}
     for name in ["01_tensors", "02_attention", "03_rope", "04_norm_mlp", "05_model", "08_kv_cache", "09_sampling",
-                 "11_paged_cache", "13_quantization"]:
+                 "15_block_manager", "12_quantization"]:
         assert f"{name}.ipynb" in names
 
 
@@ -153,8 +153,8 @@ def test_cli_fails_on_stubs_and_passes_on_the_reference(capsys):
 
 
 def test_cli_checks_a_reference_notebooks_own_exercises(capsys):
-    """Notebook 17 defines a `stream` of its own (speculative): the CLI checks only its solution regions."""
-    assert check.check_path(ROOT / "notebooks" / "17_speculative.ipynb") == (1, 1)
+    """Notebook 19 defines a `stream` of its own (speculative): the CLI checks only its solution regions."""
+    assert check.check_path(ROOT / "notebooks" / "19_speculative.ipynb") == (1, 1)
     out = capsys.readouterr().out
     assert out.strip() == "PASS accept_sampled"
     assert check._solution_names("def stream(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n"
@@ -333,7 +333,7 @@ def test_bpe_reference_matches_tiktoken():
         assert [ranks[p] for p in check_loading._bpe(text.encode(), ranks)] == enc.encode_ordinary(text), text
 
 
-# ---------------------------------------------------------------- notebooks 12, 14: the scheduler, the server's events
+# ---------------------------------------------------------------- notebooks 17, 18: the scheduler, the server's events
 # (minillm/check/engine.py: the stubs' calls, the references and the planted mistakes, used by the tests above and below)
 
 from collections import deque  # noqa: E402
@@ -345,7 +345,7 @@ from minillm.serve import openai_protocol, server
 
 def test_engine_exercises_exist():
     names = {p.name for p in EXERCISES}
-    for name in ["12_engine", "14_server"]:
+    for name in ["17_engine", "18_server"]:
         assert f"{name}.ipynb" in names
 
 
@@ -534,7 +534,7 @@ def notebook_function(notebook: str, name: str, module, old: str = "", new: str 
 FIRST_REFERENCE = {
     "naive_attention": notebook_function("02_attention", "naive_attention", attention),
     "greedy_decode": notebook_function("10_generate", "greedy_decode", generate),
-    "fake_quant": notebook_function("13_quantization", "fake_quant", quant),
+    "fake_quant": notebook_function("12_quantization", "fake_quant", quant),
 }
 
 
@@ -559,11 +559,11 @@ FIRST_PLANTED = [(name, notebook_function(nb, name, module, old, new, label), hi
      "greedy_advancing_by_one", "the number of tokens already in the cache"),
     ("greedy_decode", "10_generate", generate, "for _ in range(n):", "for _ in range(n - 1):",
      "greedy_one_short", "n - 1 decode passes"),
-    ("fake_quant", "13_quantization", quant, "(2**bits - 1)", "2**bits", "fake_quant_sixteen_steps",
+    ("fake_quant", "12_quantization", quant, "(2**bits - 1)", "2**bits", "fake_quant_sixteen_steps",
      "divide by 2**bits - 1"),
-    ("fake_quant", "13_quantization", quant, "w.reshape(N, K // group, group)", "w.reshape(N, 1, K)",
+    ("fake_quant", "12_quantization", quant, "w.reshape(N, K // group, group)", "w.reshape(N, 1, K)",
      "fake_quant_per_row", "reduce over the last axis"),
-    ("fake_quant", "13_quantization", quant, "* s + lo)", "* s)", "fake_quant_without_zero_point", "q * s + lo"),
+    ("fake_quant", "12_quantization", quant, "* s + lo)", "* s)", "fake_quant_without_zero_point", "q * s + lo"),
 ]]
 
 
@@ -581,7 +581,7 @@ def test_bounded_leaves_a_function_that_returns_alone():
     assert bounded(lambda n: sum(i for i in range(n)), "count")(1000) == 499500
 
 
-# ---------------------------------------------------------------- notebook 17: the sampling rule (minillm/check/speculative.py)
+# ---------------------------------------------------------------- notebook 19: the sampling rule (minillm/check/speculative.py)
 
 from minillm.check import speculative as validate_speculative  # noqa: E402
 from minillm.runtime import speculative
@@ -602,7 +602,7 @@ SPECULATIVE_PLANTED = [
 ]
 
 
-# ---------------------------------------------------------------- notebook 19: serving many adapters (minillm/check/lora.py)
+# ---------------------------------------------------------------- notebook 20: serving many adapters (minillm/check/lora.py)
 
 from minillm.check import lora as check_lora  # noqa: E402
 from minillm.weights import lora
@@ -625,7 +625,7 @@ LORA_PLANTED = [
 ]
 
 
-# ---------------------------------------------------------------- notebook 18: the trie walk (minillm/check/structured.py)
+# ---------------------------------------------------------------- notebook 14: the trie walk (minillm/check/structured.py)
 
 from minillm.check import structured as check_structured  # noqa: E402
 from minillm.text import constrained
@@ -652,7 +652,7 @@ STRUCTURED_PLANTED = [
 ]
 
 
-# ---------------------------------------------------------------- notebook 20: a rank's KV heads (minillm/check/parallel.py)
+# ---------------------------------------------------------------- notebook 21: a rank's KV heads (minillm/check/parallel.py)
 
 from minillm.check import parallel as check_parallel  # noqa: E402
 from minillm.parallel import tensor_parallel
@@ -673,14 +673,14 @@ PARALLEL_PLANTED = [
 ]
 
 
-# ---------------------------------------------------------------- notebook 15: a decode step's bytes (minillm/check/performance.py)
+# ---------------------------------------------------------------- notebook 13: a decode step's bytes (minillm/check/performance.py)
 # (a lesson cell, not exported: the reference is the notebook's own decode_bytes, the mistakes planted in it)
 
 from minillm.check import performance as check_performance  # noqa: E402
 
 
 def _decode_bytes_variant(old: str, new: str, label: str):
-    return notebook_function("15_performance", "decode_bytes", check_performance, old, new, label)
+    return notebook_function("13_fast_path", "decode_bytes", check_performance, old, new, label)
 
 
 PERFORMANCE_PLANTED = [("decode_bytes", _decode_bytes_variant(old, new, label), hint) for old, new, label, hint in [
@@ -717,7 +717,7 @@ REFERENCE = {
     **FIRST_REFERENCE,
     "accept_sampled": speculative.accept_sampled,
     "MultiLoRALinear.forward": lora.MultiLoRALinear,
-    "decode_bytes": notebook_function("15_performance", "decode_bytes", check_performance),
+    "decode_bytes": notebook_function("13_fast_path", "decode_bytes", check_performance),
     "Split.kv_heads": tensor_parallel.Split,
     "Vocabulary.allowed": constrained.Vocabulary,
 }

@@ -1,4 +1,4 @@
-"""Notebook 12's exploration, speedup_16: with the notebook's measured rates the check computes the
+"""Notebook 17's exploration, speedup_16: with the notebook's measured rates the check computes the
 reference itself and accepts 1% either way, naming the likely slip (issue 44: it used to accept
 anything from 1 to 20)."""
 

@@ -39,12 +39,12 @@ def kv_cached(model, tokenizer, prompts, refs):
 
 
 def fast(model, tokenizer, prompts, refs):
-    """The same loop on notebook 15's FastCausalLM."""
+    """The same loop on notebook 13's FastCausalLM."""
     return kv_cached(FastCausalLM(model), tokenizer, prompts, refs)
 
 
 def paged_engine(model, tokenizer, prompts, refs):
-    """All prompts at once through the engine of notebook 12: paged cache, batched prefill and decode."""
+    """All prompts at once through the engine of notebook 17: paged cache, batched prefill and decode."""
     out = Engine(model, tokenizer, num_blocks=64).generate([p.tolist() for p in prompts], max_new_tokens=N,
                                                            eos_token_ids=())
     return [r["token_ids"] for r in out]

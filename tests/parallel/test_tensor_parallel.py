@@ -1,4 +1,4 @@
-"""Tensor parallelism (notebook 20) with gloo on the CPU: ranks are processes started as torchrun
+"""Tensor parallelism (notebook 21) with gloo on the CPU: ranks are processes started as torchrun
 starts them; every result is compared with the single-process model."""
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def test_an_aborted_prefill_leaves_only_computed_blocks_findable(qwen3, tok):
 
 
 def test_planted_bug_naming_uncomputed_blocks_is_caught(qwen3, tok, monkeypatch):
-    """With notebook 11's cache_computed a no-op, admission names all of a prompt's blocks at once (the rule for
+    """With notebook 15's cache_computed a no-op, admission names all of a prompt's blocks at once (the rule for
     a prompt prefilled whole): an abort mid-prefill leaves named blocks that were never computed."""
     prompt = list(range(3, 103))
     monkeypatch.setattr(engine_module, "cache_computed", lambda manager, seq_id, num_computed: None)

@@ -32,7 +32,7 @@ def test_streamed_text_equals_decoding_the_ids(smol):
 
 
 def test_the_paris_answer_is_decided_by_safe_margins(smol):
-    """Several tests and notebooks 10, 12 and 14 expect "Paris" from the float32 SmolLM2 (greedy)
+    """Several tests and notebooks 10, 17 and 18 expect "Paris" from the float32 SmolLM2 (greedy)
     for "What is the capital of France?". That is safe on any CPU only because every step of the
     answer wins by far more than cross-machine float32 noise. Twice the SMOLLM2_REL tolerance
     would do (tests/support.py); we ask for 20 times it, about 0.018, as the answer also goes

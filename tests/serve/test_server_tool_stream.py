@@ -1,4 +1,4 @@
-"""Streaming with tools (issue 52, point 7; minillm/serve/tool_stream.py, notebook 14's "Streaming tool
+"""Streaming with tools (issue 52, point 7; minillm/serve/tool_stream.py, notebook 18's "Streaming tool
 calls"): text streams as it comes until a call can begin, a call's arguments stream as fragments in
 delta.tool_calls, and the finish is "tool_calls".
 

@@ -40,7 +40,7 @@ def test_int4_matmul_equals_its_emulation(N, K, g, M):
 
 
 def test_emulation_is_the_float_product_up_to_int8_activations():
-    """int4_dot8_reference is notebook 13's dequantize-then-matmul, but for the 8-bit activations."""
+    """int4_dot8_reference is notebook 12's dequantize-then-matmul, but for the 8-bit activations."""
     gen = torch.Generator().manual_seed(0)
     q, s, z = quantize_int4(torch.randn(256, 512, generator=gen), 32)
     x = torch.randn(4, 512, generator=gen)
@@ -120,7 +120,7 @@ def test_bad_inputs_are_named():
 
 @torch.no_grad()
 def test_smollm2_on_the_kernel_stays_the_int4_model(smollm2):
-    """12 tokens (the head too on its integer kernel, under MATVEC_ROWS) against notebook 13's reference layers."""
+    """12 tokens (the head too on its integer kernel, under MATVEC_ROWS) against notebook 12's reference layers."""
     model, tok = smollm2
     ours = FastCausalLM(model, quantize="int4")  # kernel="auto": this kernel, since it builds
     reference = FastCausalLM(model, quantize="int4", kernel="reference")

@@ -81,7 +81,7 @@ def test_quantized_layers_check_their_input_only_when_the_kernel_fails(monkeypat
         raise AssertionError("a per-layer check ran")
 
     fast = FastCausalLM(from_folder(DATA / "tiny-qwen3"), quantize=quantize)
-    monkeypatch.setattr(quant, "validate_quant_input", planted)  # notebook 13's layers (torch's kernels)
+    monkeypatch.setattr(quant, "validate_quant_input", planted)  # notebook 12's layers (torch's kernels)
     monkeypatch.setattr(cpu_kernel, "validate_quant_input", planted)  # the fast path's own kernel, which reuses it
     with torch.no_grad():
         fast(torch.tensor([[1, 2, 3]]))

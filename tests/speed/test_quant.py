@@ -1,4 +1,4 @@
-"""minillm.speed.quant (notebook 13): int8/int4 weight-only quantization, GGUF blocks, the quantized model.
+"""minillm.speed.quant (notebook 12): int8/int4 weight-only quantization, GGUF blocks, the quantized model.
 
 References: the formulas themselves (error within half a step), F.linear on the dequantized
 weight, the `gguf` package's dequantizer (bit-exact), the float32 model's logits, and the CLI.

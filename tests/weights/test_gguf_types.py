@@ -1,4 +1,4 @@
-"""Every GGUF tensor type gguf-py decodes, loaded (minillm.weights.gguf_types, notebooks 06 and 13).
+"""Every GGUF tensor type gguf-py decodes, loaded (minillm.weights.gguf_types, notebooks 06 and 12).
 
 The reference is gguf-py's own `gguf.quants.dequantize`, compared bit for bit:
 
@@ -8,7 +8,7 @@ The reference is gguf-py's own `gguf.quants.dequantize`, compared bit for bit:
   logits must equal those of a float model built from gguf-py's dequantization;
 - every type gguf-py decodes, on random weights it quantizes itself where it can, and on random
   blocks with sane scales for the types it can only dequantize;
-- the types it cannot decode, refused by tensor and type; the quantized loader (notebook 13)
+- the types it cannot decode, refused by tensor and type; the quantized loader (notebook 12)
   keeps Q4_0/Q4_1/Q8_0 in its kernels and dequantizes every other type, bit-exact.
 
 Planted bugs (GGUF dims read slowest-first; a tensor decoded as another type) must fail.
@@ -37,7 +37,7 @@ from minillm.weights.loading import WeightsError, from_gguf, gguf_to_hf_name, un
 from support import assert_logits_close
 
 IDS = torch.tensor([[1, 7, 42, 59, 3, 20, 17, 5]])  # < 64: the tiny vocabulary
-KEPT = {"Q4_0": Int4Linear, "Q4_1": Int4Linear, "Q8_0": Int8Linear}  # notebook 13's kernels
+KEPT = {"Q4_0": Int4Linear, "Q4_1": Int4Linear, "Q8_0": Int8Linear}  # notebook 12's kernels
 
 
 def decodes(qtype: Q) -> bool:

@@ -1,4 +1,4 @@
-"""LoRA adapters (notebook 19) against the reference, Hugging Face PEFT: an adapter PEFT saved gives
+"""LoRA adapters (notebook 20) against the reference, Hugging Face PEFT: an adapter PEFT saved gives
 PEFT's logits here (attached, merged, or as one row of a multi-adapter batch), an adapter saved
 here gives the same logits in PEFT, a planted scaling bug fails the comparison, and bad adapters
 get errors naming the problem. The engine serves a batch mixing adapters and the base model, with
