@@ -673,14 +673,14 @@ PARALLEL_PLANTED = [
 ]
 
 
-# ---------------------------------------------------------------- notebook 13: a decode step's bytes (minillm/check/performance.py)
+# ---------------------------------------------------------------- notebook 11: a decode step's bytes (minillm/check/performance.py)
 # (a lesson cell, not exported: the reference is the notebook's own decode_bytes, the mistakes planted in it)
 
 from minillm.check import performance as check_performance  # noqa: E402
 
 
 def _decode_bytes_variant(old: str, new: str, label: str):
-    return notebook_function("13_fast_path", "decode_bytes", check_performance, old, new, label)
+    return notebook_function("11_roofline", "decode_bytes", check_performance, old, new, label)
 
 
 PERFORMANCE_PLANTED = [("decode_bytes", _decode_bytes_variant(old, new, label), hint) for old, new, label, hint in [
@@ -717,7 +717,7 @@ REFERENCE = {
     **FIRST_REFERENCE,
     "accept_sampled": speculative.accept_sampled,
     "MultiLoRALinear.forward": lora.MultiLoRALinear,
-    "decode_bytes": notebook_function("13_fast_path", "decode_bytes", check_performance),
+    "decode_bytes": notebook_function("11_roofline", "decode_bytes", check_performance),
     "Split.kv_heads": tensor_parallel.Split,
     "Vocabulary.allowed": constrained.Vocabulary,
 }
