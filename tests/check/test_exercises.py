@@ -48,7 +48,7 @@ def test_exercise_notebooks_are_current():
 def test_every_concept_notebook_has_an_exercise():
     names = {p.name for p in EXERCISES}
     for name in ["01_tensors", "02_attention", "03_rope", "04_norm_mlp", "05_model", "08_kv_cache", "09_sampling",
-                 "15_block_manager", "12_quantization"]:
+                 "15_block_manager", "16_paged_attention", "12_quantization"]:
         assert f"{name}.ipynb" in names
 
 
