@@ -2,7 +2,7 @@
 
 """The fast decode path: the same model and forward contract as CausalLM, less per-token overhead.
 
-Built in notebooks/13_fast_path.ipynb ("Where the time goes"). `FastCausalLM(model)` takes a
+Built in notebooks/13_fast_path.ipynb ("A fast path"). `FastCausalLM(model)` takes a
 loaded CausalLM and rebuilds its layers for speed, keeping `forward(input_ids, positions,
 attention_mask, cache, start_pos)`, so generate, the engine and the server run it unchanged:
 
