@@ -205,7 +205,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
         q, k = apply_rope(q, cos, sin, check=False), apply_rope(k, cos, sin, check=False)  # shapes checked at entry
-        if hasattr(cache, "attend"):  # a paged cache that reads its own blocks (notebook 15) attends itself
+        if hasattr(cache, "attend"):  # a paged or packed cache (notebooks 16, 17) attends itself
             out = cache.attend(q, k, v)  # (B, H, T, D)
         else:
             if cache is not None:  # keys/values of tokens 0..pos-1 are cached: append ours, attend to all
