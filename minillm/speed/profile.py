@@ -18,8 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from minillm.bench.roofline import weight_shapes
 from minillm.cache.dense import make_cache
+
+
+def weight_shapes(config) -> list[tuple[int, int]]:
+    """(N, K) of every linear one token passes through: q, k, v, o, gate, up, down per layer, the head."""
+    h, i, D = config.hidden_size, config.intermediate_size, config.head_dim
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    layer = [(H * D, h), (Hkv * D, h), (Hkv * D, h), (h, H * D), (i, h), (i, h), (h, i)]
+    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
 
 
 def matvec_ceiling(config, dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[float, int]:
