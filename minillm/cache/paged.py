@@ -10,7 +10,7 @@ counts, block tables), `PrefixCache`/`PrefixCachingAllocator` (each full block n
 hash of its tokens), `BlockManager` (copy-on-write). Token `p` of a sequence lives in slot
 `table[p // block_size] * block_size + p % block_size` of the flattened pool. `batch_layout` and
 `PagedView` give the model a dense, right-aligned copy of each sequence's keys and values per layer
-per step; minillm/cache/paged_attention.py reads the blocks where they lie instead.
+per step; minillm/cache/paged_attention.py (notebook 16) reads the blocks where they lie instead.
 
 Shape legend: B batch, T new tokens, S keys, Hkv kv heads, D head dim, N blocks, bs block size.
 """

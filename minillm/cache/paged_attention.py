@@ -1,8 +1,9 @@
-# Generated from notebooks/15_block_manager.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/16_paged_attention.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """Paged attention: attention that reads each sequence's keys and values where they lie, block by block.
 
-Built in notebooks/15_block_manager.ipynb. The softmax is folded in one block at a time, keeping per
+Built in notebooks/16_paged_attention.ipynb, on the pool and block manager of notebook 15
+(minillm/cache/paged.py). The softmax is folded in one block at a time, keeping per
 query a running maximum, sum of exponentials and weighted sum of values (`SoftmaxState`, `fold_block`):
 exact, the recurrence of FlashAttention and of vLLM's paged kernel. `paged_attention_reference` is
 its readable loop. The fast path hands the loop to FlexAttention: `decode_layout` describes a decode
@@ -97,10 +98,10 @@ class DecodeLayout:
 def decode_layout(manager: BlockManager, seq_ids: list, pool_blocks: int, device=None) -> DecodeLayout:
     """One decode step over `seq_ids`, whose keys lie in a pool of `pool_blocks` blocks."""
     bs, B = manager.block_size, len(seq_ids)
-    R = max(B, 2)  # rows of the block mask: a lone sequence gets a dummy second row (notebook 15's Plumbing)
+    R = max(B, 2)  # rows of the block mask: a lone sequence gets a dummy second row (notebook 16's Plumbing)
     tables = [manager.block_table(s) for s in seq_ids]
     lengths = [manager.num_tokens(s) for s in seq_ids]
-    kb = next(n for n in (4, 2, 1) if bs % n == 0)  # the kernel's key block: 4 slots or fewer (notebook 15's Plumbing)
+    kb = next(n for n in (4, 2, 1) if bs % n == 0)  # the kernel's key block: 4 slots or fewer (notebook 16's Plumbing)
     f = bs // kb                                     # key blocks per pool block
     full = torch.zeros(R, 1, 1, pool_blocks * f, dtype=torch.int32)  # (R, heads, query blocks, key blocks)
     num_full = torch.zeros(R, 1, 1, dtype=torch.int32)               # how many (0 in the dummy row)
