@@ -1,10 +1,11 @@
-# Generated from notebooks/10_generate.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/22_qwen_end_to_end.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""The front door: `minillm.load(...)` -> `LLM`, with chat, generate and stream in a line each.
+"""The front door: `minillm.load(...)` -> `LLM`, with every option the course builds.
 
-Built in notebooks/10_generate.ipynb on the generation loop. `load` picks the loader for a hub id,
-a model folder or a .gguf file, applies the weight options of notebooks 12 (quantize) and 15
-(fast, compile), and checks every user-given string (device, dtype, quantize) first.
+Built in notebooks/22_qwen_end_to_end.ipynb on notebook 10's LLM and load (minillm/runtime/llm.py):
+the weight options of notebooks 12 (quantize), 13 (fast, compile), 20 (lora) and 21 (tensor_parallel),
+and the answer options of notebooks 14 (response_format, tools) and 19 (speculative). Every option
+is checked before any file is read.
 """
 
 from __future__ import annotations
@@ -14,78 +15,47 @@ from pathlib import Path
 
 import torch
 
-from minillm.text.constrained import Constraints
-from minillm.model.devices import parse_device, parse_dtype
-from minillm.weights.embedded import embedded_gguf_path
-from minillm.speed.fast import FastCausalLM
-from minillm.runtime.generate import Completion, PromptLogprobs, Step, collect, prompt_logprobs, stream
-from minillm.weights.hub import download
-from minillm.weights.lora import merge_adapter, read_adapter
 from minillm.model.decoder import CausalLM
-from minillm.speed.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
+from minillm.model.devices import parse_device, parse_dtype
+from minillm.parallel.tensor_parallel import load_rank_shard
+from minillm.runtime import llm as basic
+from minillm.runtime.generate import Completion, Step, collect
+from minillm.runtime.llm import load_tokenizer
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import ModelDrafter, NgramDrafter, int4_drafter
 from minillm.runtime.speculative import stream as speculative_stream
-from minillm.parallel.tensor_parallel import load_rank_shard
-from minillm.text.tokenizer import Tokenizer
-from minillm.text.tool_calls import call_format, validate_tools, encode_with_tools, parse_tool_calls
-from minillm.weights.loading import gguf_architecture, load_model
+from minillm.speed.fast import FastCausalLM
+from minillm.speed.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
+from minillm.text.constrained import Constraints
+from minillm.text.tool_calls import call_format, encode_with_tools, parse_tool_calls, validate_tools
 from minillm.utils.validate import is_int
+from minillm.weights.embedded import embedded_gguf_path
+from minillm.weights.loading import gguf_architecture, load_model
+from minillm.weights.lora import merge_adapter, read_adapter
 
 
-class PromptScoring:
-    """LLM's scoring half: the prompt's own logprobs (prompt_logprobs, above), for evaluations and echo."""
+class LLM(basic.LLM):
+    """Notebook 10's LLM with the answer options: response_format and tools (notebook 14), speculative (19)."""
 
-    def prompt_logprobs(self, prompt, top_logprobs: int | None = None) -> PromptLogprobs:
-        """Each token's logprob given those before it, for text (str) or token ids: one prefill."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return prompt_logprobs(self.model, ids, top_logprobs)
-
-
-class LLM(PromptScoring):
-    """A model and its tokenizer, with chat, generate and stream in a line each."""
-
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model: CausalLM, tokenizer):
+        super().__init__(model, tokenizer)
         self.constraints = Constraints(tokenizer, model.config.vocab_size)  # compiles response formats on use
 
-    def encode_chat(self, messages: Sequence[dict], **template_kwargs) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise ValueError(f"{self.tokenizer.source} has no chat template; use generate(prompt) with plain text")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-
-    def _ids(self, prompt_or_messages) -> list[int]:
-        if isinstance(prompt_or_messages, str):
-            return self.tokenizer.encode(prompt_or_messages)
-        return self.encode_chat(prompt_or_messages)
-
-    def _steps(self, ids, params, speculative, response_format=None, **kwargs) -> Iterator[Step]:
-        params = params or SamplingParams(temperature=0)
+    def _steps(self, ids, params, speculative=None, response_format=None, **kwargs) -> Iterator[Step]:
         constraint = self.constraints.for_format(response_format)  # None for free text
         if speculative is None:
-            return stream(self.model, self.tokenizer, ids, params=params, constraint=constraint, **kwargs)
+            return super()._steps(ids, params, constraint=constraint, **kwargs)
         if constraint is not None:
             raise ValueError("speculative decoding does not take a response_format; pass one or the other")
-        return speculative_stream(self.model, self.tokenizer, ids, self.drafter(speculative), params=params, **kwargs)
+        return speculative_stream(self.model, self.tokenizer, ids, self.drafter(speculative),
+                                  params=params or SamplingParams(temperature=0), **kwargs)
 
-    def generate(self, prompt: str, params: SamplingParams | None = None, speculative=None, **kwargs) -> Completion:
-        """Continue plain text (no chat template); speculative: see drafter()."""
-        return collect(self._steps(self.tokenizer.encode(prompt), params, speculative, **kwargs))
-
-    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, speculative=None,
-             tools: list[dict] | None = None, tool_choice=None, template_name: str | None = None, **kwargs) -> Completion:
-        """Answer [{"role", "content"}, ...] by the chat template, or the one named; tools: notebook 14."""
-        if tools is not None or tool_choice is not None:
-            return chat_with_tools(self, messages, params, speculative, tools, tool_choice, template_name, **kwargs)
-        ids = self.encode_chat(messages, template_name=template_name)
-        return collect(self._steps(ids, params, speculative, **kwargs))
-
-    def stream(self, prompt_or_messages, params: SamplingParams | None = None, speculative=None,
-               **kwargs) -> Iterator[str]:
-        """Text pieces as they are generated, for a plain prompt (str) or chat messages (list)."""
-        for step in self._steps(self._ids(prompt_or_messages), params, speculative, **kwargs):
-            if step.text:
-                yield step.text
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, template_name: str | None = None,
+             tools: list[dict] | None = None, tool_choice=None, **kwargs) -> Completion:
+        """Notebook 10's chat; with tools or tool_choice, chat_with_tools (below)."""
+        if tools is None and tool_choice is None:
+            return super().chat(messages, params, template_name, **kwargs)
+        return chat_with_tools(self, messages, params, tools, tool_choice, template_name, **kwargs)
 
     def drafter(self, speculative):
         """make_drafter (below) for this model."""
@@ -100,10 +70,10 @@ def make_drafter(model, speculative):
         return NgramDrafter()
     if speculative == "int4":
         return int4_drafter(model)
-    return ModelDrafter(speculative.model) if isinstance(speculative, LLM) else speculative
+    return ModelDrafter(speculative.model) if isinstance(speculative, basic.LLM) else speculative
 
 
-def chat_with_tools(llm: LLM, messages: Sequence[dict], params, speculative, tools, tool_choice, template_name=None,
+def chat_with_tools(llm: LLM, messages: Sequence[dict], params, tools, tool_choice, template_name=None,
                     **kwargs) -> Completion:
     """LLM.chat offering tools: a required call (tool_choice "required" or a named function) is
     forced by a grammar; the calls are returned in tool_calls, the other text as the text."""
@@ -112,8 +82,7 @@ def chat_with_tools(llm: LLM, messages: Sequence[dict], params, speculative, too
     if forced is not None and kwargs.get("response_format") is not None:
         raise ValueError("response_format cannot be combined with a required tool_choice")
     ids = encode_with_tools(llm.tokenizer, list(messages), tools if choice != "none" else [], template_name)
-    completion = collect(llm._steps(ids, params, speculative, **{**kwargs, "response_format": forced or
-                                                                   kwargs.get("response_format")}))
+    completion = collect(llm._steps(ids, params, **{**kwargs, "response_format": forced or kwargs.get("response_format")}))
     if choice != "none":
         text, completion.tool_calls = parse_tool_calls(completion.text)
         completion.text = text or ""
@@ -135,8 +104,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     _validate_options(quantize, group_size, fast, compile, lora, tensor_parallel)  # before any work (Plumbing, below)
     adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     source = embedded_gguf_path() if model is None else model
-    if isinstance(dtype, str):
-        dtype = parse_dtype(dtype)
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     path = Path(source)
     if path.suffix == ".gguf":  # the header alone: a model minillm lacks is refused before its
         gguf_architecture(path)  # tokenizer decodes a vocabulary (Gemma 3: 262,144 tokens)
@@ -152,16 +120,6 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
         net = net if adapter is None else merge_adapter(net, adapter)  # W + B A, then quantize or fast
         net = _weight_options(net, quantize, group_size, fast, compile)  # notebooks 12 and 13
     return LLM(net, tokenizer if tokenizer is not None else load_tokenizer(source))  # a hub id: cached by now
-
-
-def load_tokenizer(source: str | Path) -> Tokenizer:
-    """The tokenizer of a model source: a .gguf file's own, a folder's files, or a hub id's (from the cache)."""
-    path = Path(source)
-    if path.suffix == ".gguf":
-        return Tokenizer.from_gguf(path)
-    if path.is_dir():
-        return Tokenizer.from_folder(path)
-    return Tokenizer.from_folder(download(str(source)))  # a hub id: load_model has put it in the cache
 
 
 QUANTIZE = (*MODES, "gguf")  # notebook 12's modes, and keeping a .gguf file's own blocks

@@ -4,7 +4,7 @@
 - the suite's one rule for comparing float32 logits (TINY_REL, SMOLLM2_REL, assert_logits_close,
   top2_margin), explained below;
 - FakeHub, a stand-in for the Hugging Face Hub on 127.0.0.1;
-- slow_steps and wait_until, for tests that drive a live server.
+- serving, slow_steps and wait_until, for tests that drive a live server.
 
 pytest's hooks and fixtures are in conftest.py beside this file.
 """
@@ -16,6 +16,7 @@ import http.server
 import json
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -188,6 +189,18 @@ class FakeHub:
 
 
 # ---------------------------------------------------------------- a live server
+
+@contextmanager
+def serving(app):
+    """(app, url): `app` served on a free port of 127.0.0.1 in a background thread, stopped on exit."""
+    from minillm.serve.server import BackgroundServer  # the server's imports, only for the tests that serve
+
+    background = BackgroundServer(app)
+    try:
+        yield app, background.url
+    finally:
+        background.stop()
+
 
 def slow_steps(app, monkeypatch, seconds: float) -> None:
     """Make each engine step of `app` sleep first: a request then lasts as long as a test needs,

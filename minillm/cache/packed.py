@@ -2,15 +2,9 @@
 
 """Packed (variable-length) batches: every new token of an engine step in one row, no padding.
 
-Built in notebooks/17_engine.ipynb. A padded batch (notebook 15's `batch_layout`) gives each
-sequence a row and pads the rows to the longest; a packed batch puts the step's new tokens side
-by side in one row of N tokens, prompt chunks first, then one token per decoding sequence. The
-linear layers, norms and RoPE act on each token alone, so they need nothing more than each
-token's position; only attention must keep sequences apart: each prompt chunk attends,
-causally, to its own keys (the cached ones read from the pool, the new ones as computed), and
-the decode tokens attend together, through notebook 15's gathered or paged views. This is the
-varlen layout of FlashAttention's `flash_attn_varlen_func` and of vLLM's scheduler, which mixes
-prompt chunks and decode tokens in one forward.
+Built in notebooks/17_engine.ipynb. Prompt chunks first, then one token per decoding sequence; only
+attention keeps the sequences apart: each chunk causal over its own keys, the decode tokens through
+the gathered (notebook 15) or paged (notebook 16) views. FlashAttention's varlen layout.
 
 Shape legend: N packed tokens, H heads, Hkv kv heads, D head dim, Bd decoding sequences.
 """
@@ -53,7 +47,7 @@ def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, 
                   paged: bool = False) -> PackedLayout:
     """chunks: (sequence id, cached, new) prompt chunks, each ending at token cached + new; decode_ids:
     sequences computing their last token; pool_blocks: the cache's blocks. paged: the decode tokens
-    read the blocks in place (notebook 15's DecodeLayout), else they are gathered (a BatchLayout)."""
+    read the blocks in place (notebook 16's DecodeLayout), else they are gathered (a BatchLayout)."""
     slots, positions, segments, ends = [], [], [], []
     for s, cached, new in chunks:
         table = [manager.slot(s, p) for p in range(cached + new)]  # every key's slot, cached then new

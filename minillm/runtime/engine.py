@@ -2,19 +2,11 @@
 
 """Continuous batching: admit, make_room -> Scheduler -> EngineCore.step -> Engine.
 
-Built in notebooks/17_engine.ipynb on the paged KV cache (notebook 15), for the requests of
-minillm/runtime/sequence.py. Each step admits waiting sequences while KV blocks allow, and computes in
-one packed forward (minillm/cache/packed.py: no padding) the prompts to prefill (a long prompt in
-chunks of a per-step token budget, so that it does not stall the others) and one token for
-every running sequence; it samples each with its own parameters, streams text, finishes
-sequences on their stop conditions and frees their blocks. Out of blocks:
-the newest running sequence is preempted (blocks freed, requeued, recomputed later). A request
-for n choices is prefilled once; its n sequences then share the prompt's blocks
-(BlockManager.fork, copy-on-write), and choice i samples with seed + i. A decode step over many
-cached tokens reads the blocks where they lie (notebook 16's FlexAttention path) wherever it
-runs; prefills and shorter decode steps gather them. A batch with LoRA adapters (notebook 20),
-chosen per row, runs padded forwards instead. In the manner of nano-vllm, without its
-global context.
+Built in notebooks/17_engine.ipynb on the block manager (notebook 15) and paged attention (16). Each
+step admits waiting sequences while KV blocks allow (out of blocks: the newest is preempted and
+recomputed later) and computes in one packed forward (minillm/cache/packed.py) every prompt chunk,
+within a per-step budget, and one token per running sequence, each sampled with its own parameters.
+n choices share one prefill's blocks (copy-on-write). In the manner of nano-vllm.
 
 Shape legend: B batch (running sequences), T new tokens, V vocab.
 """
@@ -29,8 +21,9 @@ from dataclasses import replace
 
 import torch
 
-from minillm.text.constrained import Constraints, apply_constraints
-from minillm.weights.lora import adapter_index
+from minillm.runtime.generate import apply_constraints
+from minillm.text.constrained import Constraints
+from minillm.runtime.sequence import adapter_index
 from minillm.model.decoder import CausalLM
 from minillm.cache.packed import PackedView, packed_layout
 from minillm.cache.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, validate_attention, decode_layout,
@@ -174,7 +167,7 @@ class Scheduler:
 
 
 def paged_step(attention: str, model: CausalLM, manager: BlockManager, seq_ids: list, T: int) -> bool:
-    """Does this step read the blocks in place (notebook 15)? Only a decode step (T = 1): always with
+    """Does this step read the blocks in place (notebook 16)? Only a decode step (T = 1): always with
     "paged"; with "auto", from PAGED_MIN_TOKENS tokens held, where the kernel runs (probed once)."""
     if T != 1 or attention == "gather":
         return False
@@ -247,7 +240,7 @@ def forward_packed(model: CausalLM, cache: list, manager: BlockManager, batch: l
 def forward_step(model: CausalLM, cache: list, manager: BlockManager, batch: list[tuple[Sequence, int]],
                  sink_slot: int, attention: str = "gather") -> torch.Tensor:
     """Logits (rows, V) of one of a step's batches: packed, but where a row has a LoRA adapter (notebook
-    19), whose weights are chosen per row: then a padded forward for the chunks and one for the decode."""
+    20), whose weights are chosen per row: then a padded forward for the chunks and one for the decode."""
     if not any(s.lora for s, _ in batch):
         return forward_packed(model, cache, manager, batch, attention)
     chunks, decoding = [(s, n) for s, n in batch if n], [s for s, n in batch if not n]
@@ -367,7 +360,7 @@ class EngineCore:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
         self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
-        self.attention = validate_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 15
+        self.attention = validate_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 16
         self.max_prefill_tokens = max_prefill_tokens  # new tokens per packed forward
         self.scheduler = Scheduler(self.manager, max_num_seqs, model.config.max_position_embeddings, validate_chunk(prefill_chunk))
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten

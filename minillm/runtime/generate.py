@@ -5,7 +5,7 @@
 Built in notebooks/10_generate.ipynb from the model (05), weights (06), tokenizer (07),
 KV cache (08) and sampling (09). The loop is a generator of `Step`s, so streaming, stopping
 early and Ctrl-C need nothing special. Metrics follow the Candle article's InferenceMetrics.
-The public API on top of it, `minillm.load` and `LLM`, is minillm/api.py (same notebook).
+`LLM`, a model and its tokenizer in one object, is minillm/runtime/llm.py (same notebook).
 
 Shape legend: B batch, T tokens, V vocab.
 """
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.text.constrained import apply_constraints
 from minillm.model.devices import peak_memory_mib, reset_peak_memory, synchronized_time
 from minillm.cache.dense import make_cache
 from minillm.model.decoder import CausalLM
@@ -159,6 +158,15 @@ class Completion:
     metrics: Metrics
     logprobs: list[float] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)  # LLM.chat(tools=...): OpenAI's tool calls (notebook 14)
+
+
+def apply_constraints(logits: torch.Tensor, constraints: Sequence) -> torch.Tensor:
+    """(B, V) logits with -inf wherever row b's constraint (None: no constraint) forbids the token."""
+    if all(c is None for c in constraints):
+        return logits
+    allowed = torch.stack([torch.ones(logits.shape[-1], dtype=torch.bool) if c is None else c.mask()
+                           for c in constraints]).to(logits.device)  # (B, V)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 @torch.no_grad()

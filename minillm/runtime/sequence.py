@@ -1,11 +1,6 @@
 # Generated from notebooks/17_engine.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""One request's state in the engine (notebook 17): `Sequence`, the `Output` of a step, and the
-checks of a request.
-
-A sequence is waiting, prefilling (admitted, its prompt computed a chunk per step), running
-(decoding one token per step) or finished; `minillm.runtime.engine` moves it between them.
-"""
+"""One request's state in the engine (notebook 17): `Sequence`, a step's `Output`, the request checks."""
 
 from __future__ import annotations
 
@@ -143,3 +138,17 @@ def take_prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
     scores, top, seq.prompt_logprobs = seq.prompt_scores, seq.prompt_logprobs, None
     seq.prompt_scores = {}
     return as_prompt_logprobs(seq.prompt_ids, [scores[p] for p in range(1, len(seq.prompt_ids))], top)
+
+
+def adapter_names(model: torch.nn.Module) -> list[str]:
+    """The LoRA adapters a model serves: its `names` after the base model's "" (notebook 20), else none."""
+    return list(getattr(model, "names", [""])[1:])
+
+
+def adapter_index(model: torch.nn.Module, name: str | None) -> int:
+    """The index of adapter `name` in the model's `names`, 0 for None (the base model); ValueError otherwise."""
+    if name is None:
+        return 0
+    if name not in adapter_names(model):
+        raise ValueError(f"no LoRA adapter named {name!r}; this model serves {', '.join(adapter_names(model)) or 'none'}")
+    return model.names.index(name)

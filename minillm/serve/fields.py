@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from fastapi import FastAPI, Request
 
-from minillm.api import LLM
+from minillm.runtime.llm import LLM
 from minillm.runtime.sampling import validate_logit_bias
 from minillm.serve.openai_protocol import (APIError, ParsedRequest, _flag, _text, chat_prompt, offered_tools,
                                            parse_request, read_json)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from minillm.api import LLM
+from minillm.runtime.llm import LLM
 from minillm.text.constrained import validate_response_format
 from minillm.runtime.engine import Output
 from minillm.runtime.generate import validate_prompt

@@ -31,10 +31,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from minillm.api import LLM
+from minillm.runtime.llm import LLM
 from minillm.runtime.engine import Engine, Output
-from minillm.runtime.sequence import WAITING, Sequence
-from minillm.weights.lora import adapter_names
+from minillm.runtime.sequence import WAITING, Sequence, adapter_names
 from minillm.serve.fields import CHAT_FIELDS, TEXT_FIELDS, add_routes, check_fields, legacy_answer, parse_completion
 from minillm.serve.openai_protocol import (APIError, ParsedRequest, Reply, answer_text, best_choices, output_events,
                                            read_json, read_prompt, sse, token_logprobs)

@@ -7,7 +7,8 @@ state when the DFA reads all of its bytes from there; one walk of a trie of the 
 every allowed token at once, and the mask is kept per state. `JSONConstraint` follows one request:
 mask() before a step, advance(token) after. `GuidanceConstraint` is the same contract on llguidance
 (the grammar engine of llama.cpp and mistral.rs), the default backend; `Constraints` makes either
-for a schema or an OpenAI response_format, and `apply_constraints` masks a batch of logits.
+for a schema or an OpenAI response_format; notebook 10's `apply_constraints` (minillm/runtime/generate.py)
+masks a batch of logits with them.
 Related work: Willard and Louf, "Efficient Guided Generation for Large Language Models" (2023).
 
 Shape legend: B batch, V vocabulary (the model's rows of logits).
@@ -76,15 +77,6 @@ class JSONConstraint:
     def advance(self, token_id: int) -> None:
         if token_id not in self.vocabulary.eos_token_ids:
             self.state = self.dfa.read(self.vocabulary.token_bytes[token_id], self.state)
-
-
-def apply_constraints(logits: torch.Tensor, constraints: Sequence) -> torch.Tensor:
-    """(B, V) logits with -inf wherever row b's constraint (None: no constraint) forbids the token."""
-    if all(c is None for c in constraints):
-        return logits
-    allowed = torch.stack([torch.ones(logits.shape[-1], dtype=torch.bool) if c is None else c.mask()
-                           for c in constraints]).to(logits.device)  # (B, V)
-    return logits.masked_fill(~allowed, float("-inf"))
 
 
 class GuidanceConstraint:

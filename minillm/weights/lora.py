@@ -310,17 +310,3 @@ class MultiLoRA(nn.Module):
             return self.base_model(input_ids, *args, **kwargs)
         finally:
             self.rows.ids = None
-
-
-def adapter_names(model: nn.Module) -> list[str]:
-    """The LoRA adapters a model serves: a MultiLoRA's `names` after the base model's "", else none."""
-    return list(getattr(model, "names", [""])[1:])
-
-
-def adapter_index(model: nn.Module, name: str | None) -> int:
-    """The index of adapter `name` in a MultiLoRA model, 0 for None (the base model); ValueError otherwise."""
-    if name is None:
-        return 0
-    if name not in adapter_names(model):
-        raise ValueError(f"no LoRA adapter named {name!r}; this model serves {', '.join(adapter_names(model)) or 'none'}")
-    return model.names.index(name)

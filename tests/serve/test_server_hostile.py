@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from minillm.api import LLM
 from minillm.serve.server import BackgroundServer, create_app
+from support import serving
 
 MODEL = "smollm2"
 KEY = "sk-hostile-test-0123"
@@ -23,16 +23,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2):
-    return LLM(*smollm2)
-
-
-@pytest.fixture(scope="module")
 def server(llm):
-    app = create_app(llm, model_name=MODEL, num_blocks=16)
-    background = BackgroundServer(app)
-    yield app, background.url
-    background.stop()
+    with serving(create_app(llm, model_name=MODEL, num_blocks=16)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

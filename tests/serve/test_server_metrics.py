@@ -24,9 +24,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from minillm.api import LLM
 from minillm.serve.server import BackgroundServer, create_app
-from support import slow_steps
+from support import serving, slow_steps
 
 MODEL = "smollm2"
 HI = [{"role": "user", "content": "Write a word."}]
@@ -37,16 +36,9 @@ LABEL = re.compile(r"[a-z][a-z0-9_]*")
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2):
-    return LLM(*smollm2)
-
-
-@pytest.fixture(scope="module")
 def server(llm):
-    app = create_app(llm, model_name=MODEL, num_blocks=128)
-    background = BackgroundServer(app)
-    yield app, background.url
-    background.stop()
+    with serving(create_app(llm, model_name=MODEL, num_blocks=128)) as running:
+        yield running
 
 
 def client_for(url: str) -> openai.OpenAI:

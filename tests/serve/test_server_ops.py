@@ -21,10 +21,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from minillm.api import LLM
 from minillm.serve.server import BackgroundServer, create_app
 from minillm.serve.ops import APIKeys, KeyLimits, TokenBucket, key_id, read_keys
-from support import slow_steps, wait_until
+from support import serving, slow_steps, wait_until
 
 MODEL = "smollm2"
 KEY_A, KEY_B = "sk-test-alpha-0123", "sk-test-beta-4567"
@@ -32,16 +31,9 @@ HI = [{"role": "user", "content": "Write a word."}]
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2):
-    return LLM(*smollm2)
-
-
-@pytest.fixture(scope="module")
 def server(llm):
-    app = create_app(llm, model_name=MODEL, num_blocks=128, api_keys=[KEY_A, KEY_B])
-    background = BackgroundServer(app)
-    yield app, background.url
-    background.stop()
+    with serving(create_app(llm, model_name=MODEL, num_blocks=128, api_keys=[KEY_A, KEY_B])) as running:
+        yield running
 
 
 def client_for(url: str, key: str = KEY_A) -> openai.OpenAI:

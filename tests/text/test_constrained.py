@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.api import LLM
-from minillm.text.constrained import Constraints, apply_constraints, validate_response_format
+from minillm.runtime.generate import apply_constraints
+from minillm.text.constrained import Constraints, validate_response_format
 from minillm.text.grammar import DFA, MAX_DEPTH, UnsupportedSchema, any_json, schema_pattern
 from minillm.runtime.generate import generate_batch
 from minillm.runtime.sampling import SamplingParams

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from minillm.weights import lora
 from minillm.__main__ import lora_specs
+from minillm.runtime.sequence import adapter_index
 from minillm.__main__ import build_parser
 from minillm.api import LLM, load
 from minillm.weights.embedded import embedded_gguf_path
@@ -279,7 +280,7 @@ def test_choices_of_an_adapter_request_share_its_prompt_and_adapter(tok, adapter
     expected = alone(tok, adapters["a"], prompt, 6)["token_ids"]
     assert tokens[rid] == expected and tokens[rid + 1] == expected
     assert engine.manager.prefix_hits(prompt + expected[:1]) == []  # registered under "a" only
-    assert len(engine.manager.prefix_hits(prompt + expected[:1], lora.adapter_index(engine.model, "a"))) == 1
+    assert len(engine.manager.prefix_hits(prompt + expected[:1], adapter_index(engine.model, "a"))) == 1
 
 
 def test_salted_blocks_are_found_only_with_their_salt():
