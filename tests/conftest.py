@@ -39,7 +39,7 @@ def pytest_configure(config) -> None:
 # The files that take longest (measured with --durations on 2 cores), run first: `make test` hands
 # whole files to two xdist workers in collection order, so starting the longest early lets both
 # workers finish together instead of one waiting on a long notebook started last.
-LONGEST_FIRST = ("notebooks/20_lora.ipynb", "tests/parallel/test_tensor_parallel.py", "notebooks/21_tensor_parallel.ipynb",
+LONGEST_FIRST = ("notebooks/20_lora.ipynb", "notebooks/11_roofline.ipynb", "tests/parallel/test_tensor_parallel.py", "notebooks/21_tensor_parallel.ipynb",
                  "notebooks/19_speculative.ipynb", "tests/text/test_constrained.py", "notebooks/17_engine.ipynb",
                  "notebooks/13_fast_path.ipynb", "notebooks/14_structured_outputs.ipynb")
 

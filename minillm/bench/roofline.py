@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from minillm.speed.quant import Int4Linear, Int8Linear
+from minillm.speed.profile import weight_shapes  # notebook 11: every linear a token passes through
 
 
 CEILING_SLACK = 1.05  # a decode loop may pass its ceiling by timing noise, not more
@@ -47,14 +48,6 @@ def weight_mib(module: nn.Module) -> float:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
     return total / 2**20
-
-
-def weight_shapes(config) -> list[tuple[int, int]]:
-    """(N, K) of every linear one token passes through: q, k, v, o, gate, up, down per layer, lm head."""
-    h, i, D = config.hidden_size, config.intermediate_size, config.head_dim
-    H, Hkv = config.num_attention_heads, config.num_key_value_heads
-    layer = [(H * D, h), (Hkv * D, h), (Hkv * D, h), (h, H * D), (i, h), (i, h), (h, i)]
-    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
 
 
 def matvec_seconds(layers, x_by_k: dict, repeats: int, compiled: bool = False) -> float:
