@@ -161,25 +161,34 @@ def disagreements(ours: list[dict], hf: list[dict], tol: float = TOL) -> tuple[l
     return found, worst
 
 
+def assert_agree(ours: list[dict], reference: list[dict], label: str) -> None:
+    """The same 12 requests with the same answers, every loglikelihood within TOL; prints the worst."""
+    assert len(ours) == len(reference) == 12
+    found, worst = disagreements(ours, reference)
+    print(f"{label}: max |Δ loglikelihood| = {worst:.2e}")
+    assert found == [] and worst <= TOL, label
+
+
+def assert_metrics_equal(ours: dict, reference: dict) -> None:
+    """Accuracy and exact match equal; the rolling task's perplexities within 1e-4."""
+    for task, metric in [("minillm_capitals", "acc,none"), ("minillm_capitals", "acc_norm,none"),
+                         ("minillm_capitals_gen", "exact_match,none")]:
+        assert ours[task][metric] == reference[task][metric], (task, metric)
+    for metric in ["word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"]:
+        assert ours["minillm_capitals_rolling"][metric] == pytest.approx(reference["minillm_capitals_rolling"][metric],
+                                                                         rel=1e-4)
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_every_request_agrees_with_the_hf_backend(runs, task):
-    ours, hf = runs["minillm"]["samples"][task], runs["hf"]["samples"][task]
-    assert len(ours) == len(hf) == 12
-    found, worst = disagreements(ours, hf)
-    assert found == []
-    print(f"{task}: max |Δ loglikelihood| = {worst:.2e}")
-    assert worst <= TOL
+    assert_agree(runs["minillm"]["samples"][task], runs["hf"]["samples"][task], task)
 
 
 def test_the_metrics_are_equal(runs):
-    ours, hf = runs["minillm"]["results"], runs["hf"]["results"]
-    for task, metric in [("minillm_capitals", "acc,none"), ("minillm_capitals", "acc_norm,none"),
-                         ("minillm_capitals_gen", "exact_match,none")]:
-        assert ours[task][metric] == hf[task][metric], (task, metric)
+    ours = runs["minillm"]["results"]
+    assert_metrics_equal(ours, runs["hf"]["results"])
     assert 0 < ours["minillm_capitals"]["acc,none"] < 1  # the task separates right from wrong answers
     assert 0 < ours["minillm_capitals_gen"]["exact_match,none"] < 1
-    for metric in ["word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"]:
-        assert ours["minillm_capitals_rolling"][metric] == pytest.approx(hf["minillm_capitals_rolling"][metric], rel=1e-4)
 
 
 def test_the_greedy_flags_are_not_all_alike(runs):  # is_greedy is compared on both values, not only False
@@ -206,30 +215,18 @@ def test_the_evaluation_touched_no_network(runs, offline):
 
 @pytest.mark.parametrize("task", TASKS)
 def test_local_completions_against_the_server_agrees_with_the_in_process_lm(served, runs, task):
-    ours, reference = served["run"]["samples"][task], runs["minillm"]["samples"][task]
-    assert len(ours) == len(reference) == 12
-    found, worst = disagreements(ours, reference)
-    assert found == []
-    print(f"{task}: served vs in-process, max |Δ loglikelihood| = {worst:.2e} ({served['seconds']:.0f} s served)")
-    assert worst <= TOL
+    assert_agree(served["run"]["samples"][task], runs["minillm"]["samples"][task],
+                 f"{task}: served vs in-process ({served['seconds']:.0f} s served)")
 
 
 def test_the_served_metrics_equal_the_in_process_ones(served, runs):
     assert served["lm"].tokenizer_backend == "remote"  # lm-eval found /tokenizer_info and tokenized through the server
-    ours, reference = served["run"]["results"], runs["minillm"]["results"]
-    for task, metric in [("minillm_capitals", "acc,none"), ("minillm_capitals", "acc_norm,none"),
-                         ("minillm_capitals_gen", "exact_match,none")]:
-        assert ours[task][metric] == reference[task][metric], (task, metric)
-    for metric in ["word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"]:
-        assert ours["minillm_capitals_rolling"][metric] == pytest.approx(reference["minillm_capitals_rolling"][metric],
-                                                                         rel=1e-4)
+    assert_metrics_equal(served["run"]["results"], runs["minillm"]["results"])
 
 
 def test_the_served_run_agrees_with_the_hf_backend_too(served, runs):
     for task in TASKS:
-        found, worst = disagreements(served["run"]["samples"][task], runs["hf"]["samples"][task])
-        print(f"{task}: served vs hf, max |Δ loglikelihood| = {worst:.2e}")
-        assert found == [] and worst <= TOL, task
+        assert_agree(served["run"]["samples"][task], runs["hf"]["samples"][task], f"{task}: served vs hf")
 
 
 def test_lm_evals_cli_runs_local_completions_against_the_server(served, tmp_path, monkeypatch):
