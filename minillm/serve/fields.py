@@ -1,16 +1,12 @@
 # Generated from notebooks/18_server.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""Every request field of OpenAI's spec, and what minillm's server does with it; the small endpoints.
+"""Every request field of OpenAI's spec and what minillm's server does with it; the small endpoints.
 
-Built in notebooks/18_server.ipynb (its Plumbing section). The tables list, for /v1/chat/completions
-and /v1/completions, each request field of OpenAI's OpenAPI spec (github.com/openai/openai-openapi;
-the schemas are in data/openai-openapi/) and minillm's own extensions: what the server does with it.
-A field the server does not do is refused with a 400 naming it (`error.param`), never silently
-ignored; a field not in the table at all gets the 400 OpenAI answers ("Unrecognized request
-argument"), or with `lenient` (serve --lenient) is accepted and logged. Also here: GET /v1/models/{id}
-(the openai client's models.retrieve), vLLM's POST /tokenize, /detokenize and GET /tokenizer_info (what
-lm-eval's remote tokenizer reads), and /v1/completions' own fields: logprobs as a count, echo (the
-prompt's logprobs, from the prefill) and max_tokens 0 with echo.
+Built in notebooks/18_server.ipynb (its Plumbing section). A field the server does not do is refused with a
+400 naming it, never silently ignored; an unknown field gets OpenAI's "Unrecognized request argument" 400
+(with `lenient`, a log line). Also: GET /v1/models/{id}, vLLM's POST /tokenize, /detokenize and GET
+/tokenizer_info, and /v1/completions' own fields (logprobs as a count, echo, max_tokens 0 with echo).
+Spec: github.com/openai/openai-openapi (the schemas are in data/openai-openapi/).
 """
 
 from __future__ import annotations
@@ -103,9 +99,8 @@ def _bool(body: dict, name: str, default: bool) -> bool:
 
 
 def tokenize(llm: LLM, body: dict, context: int, models: dict) -> dict:
-    """vLLM's POST /tokenize: the ids of a `prompt` (with the special tokens the tokenizer adds, unless
-    add_special_tokens is false) or of chat `messages` (through the chat template, as /v1/chat/completions
-    builds its prompt, with the generation prompt); with return_token_strs, each token's text."""
+    """vLLM's POST /tokenize: the ids of a `prompt`, or of chat `messages` as /v1/chat/completions
+    builds its prompt; with return_token_strs, each token's text."""
     if body.get("model") is not None:
         model_entry(models, body["model"])
     chat = body.get("messages") is not None
@@ -137,9 +132,8 @@ def detokenize(llm: LLM, body: dict, models: dict) -> dict:
 
 
 def tokenizer_info(llm: LLM, context: int) -> dict:
-    """vLLM's GET /tokenizer_info: the tokenizer's special tokens, chat template and context. With /tokenize
-    and /detokenize it is what lm-eval's `remote` tokenizer reads, so that an evaluation tokenizes as the
-    server does (its local-completions model finds the three by itself)."""
+    """vLLM's GET /tokenizer_info: the tokenizer's special tokens, chat template and context (what
+    lm-eval's `remote` tokenizer reads, with /tokenize and /detokenize)."""
     tok = llm.tokenizer
     return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
             "pad_token": None, "chat_template": tok.chat_template, "model_max_length": context}
@@ -147,8 +141,8 @@ def tokenizer_info(llm: LLM, context: int) -> dict:
 
 def add_routes(app: FastAPI, llm: LLM, gate: Gate, context: int, max_body_bytes: int, models: Callable[[], dict],
                lenient: bool = False) -> None:
-    """GET /v1/models, /v1/models/{id} and /tokenizer_info, POST /tokenize and /detokenize: a key is
-    needed (as for the completions), but no per-key limit counts them."""
+    """GET /v1/models, /v1/models/{id} and /tokenizer_info, POST /tokenize and /detokenize (a key is
+    needed; no per-key limit counts them)."""
 
     async def answer(request: Request, work: Callable[[dict], dict], table: dict | None = None) -> dict:
         record = gate.admit(request, limited=False)
@@ -196,10 +190,8 @@ def bias_ids(bias):
 
 def parse_completion(body: dict, ids: list[int], context: int, vocab_size: int, model_name: str, chat: bool = True,
                      constraints=None, adapters: list[str] = ()) -> ParsedRequest:
-    """parse_request, with logit_bias's keys as ids (and its ids in the vocabulary), and what /v1/completions
-    alone has: `logprobs`, the number of alternatives per token (0 to 5, OpenAI's range); `echo`, the prompt
-    leading the answer; max_tokens 0 with echo, the prompt scored and nothing written (one token is
-    generated, for the prefill to run, and dropped). Neither logprobs nor echo is streamed: 400 naming it."""
+    """parse_request, with logit_bias's keys as ids checked against the vocabulary, and /v1/completions' own
+    `logprobs` (alternatives per token, 0 to 5), `echo` and max_tokens 0 with echo (neither streamed)."""
     body, echo, top, silent = {**body, "logit_bias": bias_ids(body.get("logit_bias"))}, False, None, False
     if not chat:
         echo, top = _flag(body, "echo"), body.pop("logprobs", None)
@@ -228,8 +220,7 @@ def _token(tokenizer, tid: int) -> str:
 
 
 def prompt_entries(tokenizer, scores) -> list[dict]:
-    """The prompt's tokens and their scores (the engine's PromptLogprobs) in token_logprobs' shape; the
-    first token has none (nothing comes before it): null, as OpenAI's echo."""
+    """The prompt's tokens and scores (PromptLogprobs) in token_logprobs' shape; the first has none: null."""
     tops = scores.top_logprobs or [None] * len(scores.token_ids)
     return [{"token": _token(tokenizer, t), "logprob": lp,
              "top_logprobs": None if top is None else [{"token": _token(tokenizer, i), "logprob": v} for i, v in top]}
@@ -237,8 +228,8 @@ def prompt_entries(tokenizer, scores) -> list[dict]:
 
 
 def legacy_logprobs(entries: list[dict]) -> dict:
-    """token_logprobs' entries in /v1/completions' legacy shape: the tokens, their logprobs, each
-    position's alternatives as {token: logprob}, and where each token starts in the choice's text."""
+    """token_logprobs' entries in /v1/completions' legacy shape: tokens, logprobs, {token: logprob}
+    alternatives, text offsets."""
     starts = list(itertools.accumulate((len(e["token"]) for e in entries[:-1]), initial=0)) if entries else []
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
@@ -246,10 +237,8 @@ def legacy_logprobs(entries: list[dict]) -> dict:
 
 
 def legacy_answer(answer: dict, req: ParsedRequest, scores, ids: list[int], tokenizer) -> dict:
-    """A /v1/completions answer (a chat one passes as it is) in OpenAI's legacy shape: with echo, the
-    prompt's text leads each choice's text and its tokens' logprobs (`scores`, from the prefill of
-    choice 0, shared by all) lead the choice's; max_tokens 0 drops the token generated; logprobs as
-    legacy_logprobs."""
+    """A /v1/completions answer in OpenAI's legacy shape (a chat one passes as it is): with echo, the
+    prompt's text and scores (from choice 0's prefill) lead each choice's; max_tokens 0 drops the token."""
     if answer["object"] != "text_completion":
         return answer
     head = tokenizer.decode(ids) if req.echo else ""

@@ -105,8 +105,8 @@ class Reply:
 
 
 def best_choices(logprobs: list[list[dict]], n: int) -> list[int]:
-    """best_of: which n of the generated choices to return, those of the highest mean logprob per token
-    (OpenAI's rule), best first; with no more choices than n, all of them in order."""
+    """best_of: the n generated choices of highest mean logprob per token (OpenAI's rule), best first;
+    all of them in order when there are no more than n."""
     if len(logprobs) <= n:
         return list(range(len(logprobs)))
     mean = [sum(t["logprob"] for t in lp) / len(lp) if lp else float("-inf") for lp in logprobs]
@@ -221,7 +221,7 @@ def with_tool_calls(message: dict, text: str, finish: str, delta: bool, one_call
 
 def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
     """Token ids of chat messages (and the tools offered) through the model's chat template; 400 naming
-    what is wrong. Tools: the template's own rendering if it has one, else minillm/text/tool_calls.py's."""
+    what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
     clean = []
@@ -285,8 +285,7 @@ MAX_CHOICES = 16  # n and best_of: at most this many choices in one request
 
 
 def _choices(body: dict, chat: bool, stream: bool) -> tuple[int, int]:
-    """(n, best_of): n choices returned of best_of generated, 1 <= n <= best_of <= MAX_CHOICES;
-    best_of on /v1/completions only, and not streamed (the best are known only at the end)."""
+    """(n, best_of): 1 <= n <= best_of <= MAX_CHOICES; best_of on /v1/completions only, not streamed."""
     n = body.get("n") if body.get("n") is not None else 1
     if not is_int(n) or not 1 <= n <= MAX_CHOICES:
         raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {shown(n)}", "n")

@@ -2,10 +2,8 @@
 
 """The server's plumbing: the in-flight limit (429) and errors as OpenAI's JSON, always.
 
-Built in notebooks/18_server.ipynb (its Plumbing section). `InFlight` counts the requests between
-their arrival and their end and refuses one past the limit; `as_api_error` is the one rule that turns
-any exception into the error a client gets, and `add_error_handlers` registers it on an app for our
-APIErrors, the gate's refusals (minillm/serve/ops.py), the framework's 404 and 405, and bugs.
+Built in notebooks/18_server.ipynb (its Plumbing section): `InFlight`, and `as_api_error`, the one rule that
+turns any exception into the error a client gets, which `add_error_handlers` registers on an app.
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ from minillm.utils.validate import is_positive_int
 
 
 class InFlight:
-    """Requests from their arrival to their end; past `limit`, a new one is refused (429).
-
-    `enter` counts a request before its body is read (so a burst cannot pass the check together)
-    and returns its `release`, which is safe to call more than once: every path out calls it."""
+    """Requests from their arrival (before the body is read) to their end; past `limit`, a new one is
+    refused (429). `enter` returns the request's `release`, safe to call more than once."""
 
     def __init__(self, limit: int):
         if not is_positive_int(limit):
@@ -50,8 +46,8 @@ class InFlight:
 
 
 def as_api_error(exc: Exception) -> APIError:
-    """What the client gets: our APIError as it is, a refusal by the gate (server_ops) with its status,
-    the engine's own check of a request (ValueError) as a 400, anything else (a bug) as a 500."""
+    """What the client gets: an APIError as it is, the gate's Refusal with its status, a ValueError (the
+    engine's check) as a 400, anything else (a bug) as a 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, Refusal):

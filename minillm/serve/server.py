@@ -4,17 +4,11 @@
 
 Built in notebooks/18_server.ipynb. One background thread owns the Engine (notebook 17) and steps it while any
 request is unfinished; each request gets an asyncio.Queue of its Outputs, handed over with loop.call_soon_threadsafe,
-so concurrent requests share forward passes. A client that hangs up mid-stream aborts its request, which frees its
-KV blocks. A request for n choices is one engine request: its prompt is prefilled once, its choices share its blocks.
-
-Endpoints: POST /v1/chat/completions, /v1/completions (stream: server-sent events ending in `data: [DONE]`),
-GET /health, /metrics (Prometheus); GET /v1/models, /v1/models/{id}, POST /tokenize, /detokenize (fields.py,
-with the table of request fields). Errors: {"error": {"message", "type", "param", "code"}}. Around them (ops.py):
-API keys, per-key limits, a JSON access log, request timeouts and a graceful shutdown (both finish_reason
-"length", the spec's word for an answer cut short). References: the OpenAI API reference and its OpenAPI
-spec; vLLM's OpenAI-compatible server (the queue-per-request bridge over one engine loop; /tokenize).
-The protocol (request checks, response shapes, error JSON) is minillm/serve/openai_protocol.py; the in-flight
-limit and the error handlers are minillm/serve/plumbing.py.
+so concurrent requests share forward passes; a client that hangs up aborts its request, freeing its KV blocks.
+Around it: openai_protocol.py (requests, answers, error JSON), fields.py (the request fields, the small endpoints),
+plumbing.py (the in-flight limit, the error handlers), tool_stream.py, and ops.py (keys, limits, metrics, the
+access log, timeouts, a graceful shutdown). References: the OpenAI API reference and its OpenAPI spec; vLLM's
+OpenAI-compatible server (the queue-per-request bridge over one engine loop; /tokenize).
 """
 
 from __future__ import annotations
@@ -45,8 +39,8 @@ from minillm.serve.tool_stream import tool_events
 
 
 def apply_commands(engine: Engine, commands: queue.SimpleQueue) -> None:
-    """Run every posted command on the engine (call it from the engine thread only, between steps):
-    ("add", Sequence) submits a request made by Engine.make_request, ("abort", id) stops one."""
+    """Run the posted commands (from the engine thread, between steps): ("add", Sequence) submits a
+    request made by Engine.make_request, ("abort", id) stops one."""
     while not commands.empty():
         kind, arg = commands.get()
         if kind == "add":
@@ -56,8 +50,8 @@ def apply_commands(engine: Engine, commands: queue.SimpleQueue) -> None:
 
 
 def step_or_fail(engine: Engine) -> list[Output]:
-    """One engine step. If it raises (a bug, a device error), every request gets a final Output with
-    finish_reason "error" and is aborted, so the engine stays usable for the requests that follow."""
+    """One engine step; if it raises, every request gets a final Output with finish_reason "error" and
+    is aborted, so the engine stays usable."""
     try:
         return engine.step()
     except Exception as exc:
@@ -69,9 +63,8 @@ def step_or_fail(engine: Engine) -> list[Output]:
 
 
 def deliver(outputs: list[Output], queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]]) -> None:
-    """Hand each Output to its request's asyncio.Queue, on that queue's own event loop (called from the
-    engine thread: call_soon_threadsafe is the thread-safe way in). A finished request leaves `queues`;
-    an Output of a request no longer in it (aborted) is dropped."""
+    """Hand each Output to its request's asyncio.Queue on that queue's event loop (from the engine thread,
+    by call_soon_threadsafe). A finished request leaves `queues`; an aborted one's Outputs are dropped."""
     for out in outputs:
         target = queues.pop(out.request_id, None) if out.finished else queues.get(out.request_id)
         if target is not None:
@@ -80,9 +73,8 @@ def deliver(outputs: list[Output], queues: dict[int, tuple[asyncio.AbstractEvent
 
 
 class PrefillStarts:
-    """The requests whose prefill start someone awaits (the queue-time metric): `add` runs on the event
-    loop, `note` on the engine thread after each step, calling on_start(t) of each request that step took
-    out of the waiting queue, t being the time.monotonic() at which the step began."""
+    """The requests whose prefill start someone awaits (the queue-time metric): `note`, on the engine
+    thread after each step, calls on_start(t) of each request that left the waiting queue, t the step's start."""
 
     def __init__(self):
         self.watched: dict[int, tuple[Sequence, Callable[[float], None]]] = {}
@@ -104,8 +96,7 @@ class PrefillStarts:
 
 class EngineThread:
     """The thread that owns an Engine: it sleeps until woken, applies the posted commands, and steps
-    while any request is unfinished, delivering each step's Outputs and telling each watched request
-    when its prefill began (its queue time). EngineBridge adds the request API."""
+    while any request is unfinished, delivering each step's Outputs. EngineBridge adds the request API."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -146,9 +137,8 @@ class EngineThread:
 
 
 class EngineBridge(EngineThread):
-    """One Engine stepped by one thread; each request receives its Outputs on an asyncio.Queue. The event
-    loop never waits for the engine: `add`, `abort` and `end` post commands, which the engine thread
-    applies between steps, so /health and every other request stay responsive during a long step."""
+    """One Engine stepped by one thread; each request receives its Outputs on an asyncio.Queue. `add`,
+    `abort` and `end` only post commands, so the event loop never waits for the engine."""
 
     request_timeout: float | None = None  # seconds from add to the end of a request; None: no limit
     closed = False  # set by end_all: the server is shutting down, add refuses (503)
@@ -177,8 +167,8 @@ class EngineBridge(EngineThread):
         self.wake.set()
 
     def end(self, rids: list[int], reason: str) -> None:
-        """End these requests now (call from the event loop): each unfinished one gets a last Output with
-        `reason` and is aborted at the next step boundary. A finished one is left alone."""
+        """End these requests now (from the event loop): each unfinished one gets a last Output with
+        `reason` and is aborted at the next step boundary."""
         for rid in rids:
             target = self.queues.pop(rid, None)  # None: finished, its last Output is on its way
             if target is not None:
@@ -201,9 +191,8 @@ async def _next_output(queue: asyncio.Queue) -> Output:
 
 async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: ParsedRequest, reply: Reply,
                          request: Request, record: RequestRecord) -> dict:
-    """The whole answer as one JSON object: its n choices (the n best of best_of). A client that hangs
-    up is noticed within half a second (nothing is written to it until the end, so only asking tells)
-    and its request is aborted."""
+    """The whole answer as one JSON object (the n best of best_of choices); a client that hangs up is
+    noticed within half a second, by asking, and its request aborted."""
     rids, outputs = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.best_of, record.started,
                                **req.options)
     index, views = {rid: i for i, rid in enumerate(rids)}, [reply.at(i) for i in range(len(rids))]
@@ -239,9 +228,7 @@ async def collect_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: P
 async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: ParsedRequest, reply: Reply,
                         record: RequestRecord):
     """SSE events: for each choice a chunk per piece of text and its finish; optionally usage; [DONE].
-
-    The request starts with the stream: a client gone before it never reaches the engine.
-    `record.end` ends the request (its in-flight count and limits), whichever way the stream ends."""
+    The request starts with the stream; `record.end` ends it, whichever way the stream ends."""
     pending, status, n = set(), 499, 0  # 499 (client closed) unless the stream reaches its end
     try:
         rids, queue = bridge.add(ids, req.params, req.max_new_tokens, req.stop, req.n, record.started, **req.options)
@@ -285,7 +272,7 @@ def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int,
             check_fields(body, CHAT_FIELDS if chat else TEXT_FIELDS, lenient)  # a field it does not do: 400
             ids = await asyncio.to_thread(read_prompt, llm, body, chat)  # a template may take its 2 s: not on the loop
             req = parse_completion(body, ids, context, llm.model.config.vocab_size, model_name, chat,
-                                bridge.engine.constraints, adapter_names(llm.model))  # notebooks 14 and 20
+                                bridge.engine.constraints, adapter_names(llm.model))  # notebooks 14 and 17
             reply = Reply(chat, req.model, len(ids), req.tools, req.one_call)
             record.begin(reply.head["id"], len(ids))
             if not req.stream:
@@ -332,8 +319,8 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
                shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=Engine,
                lenient: bool = False) -> FastAPI:
     """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine
-    (prefill_chunk: its prompt tokens per step; None: every prompt whole; engine_class: nb 21's LeadEngine;
-    lenient: a request field the server does not know is logged and ignored, not refused)."""
+    (prefill_chunk: prompt tokens per step, None: whole; engine_class: notebook 21's LeadEngine;
+    lenient: an unknown request field is logged, not refused)."""
     bridge = EngineBridge(engine_class(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
     bridge.request_timeout = validate_seconds("request_timeout", request_timeout, none_ok=True)
     grace = validate_seconds("shutdown_grace", shutdown_grace)
@@ -375,9 +362,8 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
 
 
 async def drain(bridge: EngineBridge, gate: Gate, grace: float) -> None:
-    """Graceful shutdown: new requests get 503; those in flight have `grace` seconds to finish; then
-    each one still running ends with finish_reason "length" (cut short: the spec has no "shutdown"), after
-    the text it has so far."""
+    """Graceful shutdown: new requests get 503; those in flight have `grace` seconds; then each one
+    still running ends with finish_reason "length" (the spec has no "shutdown")."""
     gate.draining = True
     deadline = time.monotonic() + grace
     while gate.in_flight.count and time.monotonic() < deadline:
@@ -386,8 +372,8 @@ async def drain(bridge: EngineBridge, gate: Gate, grace: float) -> None:
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str | None = "-", **app_kwargs) -> None:
-    """Run the server (127.0.0.1 by default: reachable from this machine only) until SIGTERM or Ctrl-C,
-    then drain it (create_app's shutdown_grace) and return. access_log: "-" (stderr), a file, or None."""
+    """Run the server (on 127.0.0.1 by default) until SIGTERM or Ctrl-C, then drain it and return.
+    access_log: "-" (stderr), a file, or None."""
     configure_access_log(access_log)
     app = create_app(llm, **app_kwargs)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
@@ -396,11 +382,8 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str |
 
 
 class BackgroundServer:
-    """The app served by uvicorn in a daemon thread of this process (for notebooks, tests, load tests).
-
-    port 0 asks the operating system for a free port; `url` is the address the server got. `stop`
-    shuts down as a signal would: stop accepting, drain, end.
-    """
+    """The app served by uvicorn in a daemon thread (notebooks, tests): port 0 asks the operating system
+    for a free port, `url` is the one it got; `stop` shuts down as a signal would."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
         if port == 0:

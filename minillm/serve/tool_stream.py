@@ -3,14 +3,10 @@
 """Tool calls streamed as OpenAI streams them: text as it comes until a call can begin, then each call's
 name, then its arguments in fragments.
 
-Built in notebooks/18_server.ipynb (its section "Streaming tool calls"). A model calls a function by
-writing <tool_call>{"name": ..., "arguments": {...}}</tool_call> (minillm/text/tool_calls.py). A stream
-that offered tools sends its text at once, holding back only what could still be the start of
-<tool_call> (and trailing whitespace, which the whole answer strips around calls). Inside a block, a
-small incremental JSON lexer reads the call: once its name is known the first delta goes out (index,
-id, type, function.name), then each complete token of its arguments, written as json.dumps writes it,
-so that the fragments join to the whole answer's `arguments`. finish_reason is "tool_calls" when a
-block closed. References: OpenAI's chat completion chunk (delta.tool_calls); vLLM's Hermes tool parser.
+Built in notebooks/18_server.ipynb (its section "Streaming tool calls"). Text goes out at once, less what
+could begin <tool_call> (and trailing whitespace); inside a block an incremental JSON lexer rewrites each
+complete token of the arguments as json.dumps writes it, so the fragments join to the whole answer's.
+References: OpenAI's chat completion chunk (delta.tool_calls); vLLM's Hermes tool parser.
 """
 
 from __future__ import annotations
@@ -36,9 +32,8 @@ def held_back(text: str, marker: str) -> int:
 
 
 def json_token(text: str, pos: int) -> tuple[str, int] | None:
-    """The next JSON token of `text` from `pos` (whitespace skipped) and the position after it; None while
-    it may be incomplete (a string not closed yet, a number or word that ends the text). ValueError if
-    the text cannot be JSON there."""
+    """The next JSON token of `text` from `pos` and the position after it; None while it may be
+    incomplete (an open string, a number or word at the end); ValueError if it cannot be JSON."""
     while pos < len(text) and text[pos] in " \t\r\n":
         pos += 1
     if pos == len(text):
@@ -107,7 +102,7 @@ class CallReader:
 
 class ToolCallStream:
     """One choice's streamed answer, with tools offered: `feed` each new piece of text, `end` at the
-    finish; each returns (content to send, tool-call deltas to send). The steps are the functions below."""
+    finish; each returns (content to send, tool-call deltas to send)."""
 
     def __init__(self, one_call: bool = False):
         self.pending = ""  # text not yet sent: in text mode, what could begin a call; in a block, unread text
@@ -213,8 +208,8 @@ def flush_call(s: ToolCallStream, deltas: list[dict]) -> None:
 
 
 def tool_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[str]:
-    """output_events for an answer that offered tools: a chunk with the content and tool-call deltas this
-    Output released (and its token's logprobs), then on the last one the finish, "tool_calls" after a call."""
+    """output_events for an answer that offered tools: the content and tool-call deltas this Output
+    released, then on the last one the finish ("tool_calls" after a call)."""
     if reply.calls is None:
         reply.calls = ToolCallStream(reply.one_call)
     content, calls = reply.calls.feed(answer_text(reply, out, tokenizer))
