@@ -2,22 +2,15 @@
 
 """Constrained decoding, part 2: a JSON schema's automaton lifted to a per-step mask over the tokens.
 
-Built in notebooks/14_structured_outputs.ipynb on minillm/text/grammar.py. A token is allowed in a DFA
-state when the DFA reads all of its bytes from there; one walk of a trie of the vocabulary finds
-every allowed token at once, and the mask is kept per state. `JSONConstraint` follows one request:
-mask() before a step, advance(token) after. `GuidanceConstraint` is the same contract on llguidance
-(the grammar engine of llama.cpp and mistral.rs), the default backend; `Constraints` makes either
-for a schema or an OpenAI response_format; notebook 10's `apply_constraints` (minillm/runtime/generate.py)
-masks a batch of logits with them.
-Related work: Willard and Louf, "Efficient Guided Generation for Large Language Models" (2023).
-
-Shape legend: B batch, V vocabulary (the model's rows of logits).
+Built in notebooks/14_structured_outputs.ipynb on minillm/text/grammar.py. `JSONConstraint` (ours) and
+`GuidanceConstraint` (llguidance, the default) follow one request: mask() before a step, advance(token)
+after; notebook 10's `apply_constraints` applies them. Related work: Willard and Louf, "Efficient
+Guided Generation for Large Language Models" (2023). V: the vocabulary (the model's logits).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
 import llguidance
 import llguidance.torch
@@ -27,9 +20,8 @@ from minillm.text.grammar import DFA, UnsupportedSchema, lit, schema_pattern, se
 
 
 class Vocabulary:
-    """The tokens' bytes in a trie (node: ({byte: child}, [token ids ending here])), special tokens left out.
-
-    vocab_size is the model's (its logits' width), which may exceed the tokenizer's."""
+    """The tokens' bytes in a trie (node: ({byte: child}, [token ids ending here])), special tokens left out;
+    vocab_size is the model's."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(tokenizer.eos_token_ids)
@@ -56,12 +48,10 @@ class Vocabulary:
 
 
 class JSONConstraint:
-    """One request's place in a schema: mask() before each step, advance(token) after it.
-
-    The end-of-sequence tokens are allowed once the text so far is a whole value, and only then."""
+    """One request's place in a schema: mask() before each step, advance(token) after it."""
 
     def __init__(self, dfa: DFA, vocabulary: Vocabulary, masks: dict[int, torch.Tensor]):
-        self.dfa, self.vocabulary, self.masks = dfa, vocabulary, masks  # masks: shared by every request on dfa
+        self.dfa, self.vocabulary, self.masks = dfa, vocabulary, masks  # masks: shared
         self.state = dfa.start
 
     def mask(self) -> torch.Tensor:
@@ -96,12 +86,11 @@ class GuidanceConstraint:
 
 
 def validate_response_format(response_format) -> tuple[dict, str, str] | None:
-    """OpenAI's response_format (or a pydantic model class) -> (schema, prefix, suffix): the JSON to write
-    and the fixed text around it, or None for free text; ValueError naming what is wrong. minillm's own
-    type "tool_call" ({"schema", "prefix", "suffix"}) is how minillm/text/tool_calls.py forces a function call."""
+    """OpenAI's response_format (or a pydantic model class) -> (schema, prefix, suffix), or None for free
+    text; minillm's own type "tool_call" ({"schema", "prefix", "suffix"}) forces a function call."""
     if response_format is None:
         return None
-    if hasattr(response_format, "model_json_schema"):  # a pydantic model, as the openai client's parse() takes
+    if hasattr(response_format, "model_json_schema"):  # a pydantic model
         return response_format.model_json_schema(), "", ""
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind not in ("text", "json_object", "json_schema", "tool_call"):
@@ -118,9 +107,8 @@ def validate_response_format(response_format) -> tuple[dict, str, str] | None:
 
 
 def guidance_grammar(schema: dict, prefix: str, suffix: str, lltokenizer) -> str:
-    """llguidance's grammar for JSON following `schema`, with json.dumps' separators, between two fixed
-    texts (a Lark grammar around llguidance's %json when there are any); UnsupportedSchema naming the problem."""
-    if not isinstance(schema, dict):  # a boolean schema (true, false): llguidance's compiler panics on it
+    """llguidance's grammar for prefix + JSON following `schema` (json.dumps' separators) + suffix."""
+    if not isinstance(schema, dict):  # true, false: llguidance panics
         raise UnsupportedSchema(f"a schema must be a JSON object, got {schema!r}")
     try:
         if prefix or suffix:
@@ -129,9 +117,9 @@ def guidance_grammar(schema: dict, prefix: str, suffix: str, lltokenizer) -> str
             grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {json.dumps(prefix)} %json {body} {json.dumps(suffix)}")
         else:
             grammar = llguidance.JsonCompiler(separators=(", ", ": ")).compile(json.dumps(schema))  # keys in order
-    except ValueError as exc:  # llguidance names the keyword or the pointer it could not follow
+    except ValueError as exc:
         raise UnsupportedSchema(f"schema not supported: {exc}") from None
-    except BaseException as exc:  # a panic in llguidance's Rust code is a PanicException, not an Exception
+    except BaseException as exc:  # a Rust panic
         if type(exc).__name__ != "PanicException":
             raise
         raise UnsupportedSchema(f"schema not supported: llguidance failed on it ({exc})") from None
@@ -142,8 +130,7 @@ def guidance_grammar(schema: dict, prefix: str, suffix: str, lltokenizer) -> str
 
 
 class Constraints:
-    """Makes each request's constraint for one tokenizer and model: backend "llguidance" (the default)
-    or "minillm" (the from-scratch DFA above). Compiled schemas are kept, keyed by their JSON text."""
+    """Each request's constraint, from backend "llguidance" (the default) or "minillm" (the DFA above)."""
 
     BACKENDS = ("llguidance", "minillm")
 
@@ -155,9 +142,8 @@ class Constraints:
         self._vocabulary = self._lltokenizer = None
 
     def for_schema(self, schema: dict, prefix: str = "", suffix: str = ""):
-        """A fresh constraint for prefix + JSON following `schema` + suffix; UnsupportedSchema or
-        ValueError naming what is wrong."""
-        key = json.dumps([schema, prefix, suffix])  # not sorted: the properties' order is the answer's key order
+        """A fresh constraint for prefix + JSON following `schema` + suffix."""
+        key = json.dumps([schema, prefix, suffix])  # not sorted: key order matters
         if self.backend == "minillm":
             if key not in self.compiled:
                 self._vocabulary = self._vocabulary or Vocabulary(self.tokenizer, self.vocab_size)

@@ -2,13 +2,9 @@
 
 """Patterns over bytes, their automata, and the patterns of a JSON schema (constrained decoding, part 1).
 
-Built in notebooks/14_structured_outputs.ipynb. A pattern (`Byte`, `Seq`, `Alt`, `Star`, `Sep`) describes a
-set of byte strings; Thompson's construction turns it into an NFA (Ken Thompson, "Regular Expression
-Search Algorithm", CACM 1968; Russ Cox, "Regular Expression Matching Can Be Simple And Fast"), and
-subset construction, done lazily, into a DFA whose states are numbered as they are met.
-`schema_pattern(schema)` writes the JSON texts a schema accepts (a subset of JSON Schema, with
-json.dumps' separators) as a pattern; `UnsupportedSchema` names a feature it does not handle.
-minillm/text/constrained.py lifts the DFA to tokens.
+Built in notebooks/14_structured_outputs.ipynb: patterns (`Byte`, `Seq`, `Alt`, `Star`, `Sep`), an NFA by
+Thompson's construction (Russ Cox, "Regular Expression Matching Can Be Simple And Fast"), a DFA by lazy
+subset construction, and `schema_pattern(schema)` for a subset of JSON Schema.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ class Byte:
 
 @dataclass(frozen=True)
 class Seq:
-    """The parts one after another (no parts: the empty string)."""
+    """The parts in order (none: the empty string)."""
 
     parts: tuple
 
@@ -52,7 +48,7 @@ class Star:
 
 @dataclass(frozen=True)
 class Sep:
-    """The item once or more, with the separator between: item (sep item)*, with one copy of item."""
+    """item (sep item)*, with one copy of item."""
 
     item: object
     sep: object
@@ -80,7 +76,7 @@ def optional(part) -> Alt:
 
 
 class NFA:
-    """Thompson's construction: nodes joined by byte edges and empty (epsilon) edges; node 0 starts."""
+    """Thompson's construction: nodes joined by byte edges and empty edges; node 0 starts."""
 
     def __init__(self, pattern):
         self.edges: list[list[tuple[frozenset[int], int]]] = [[]]  # per node: (bytes, next node)
@@ -109,12 +105,12 @@ class NFA:
                 self.empty[start].append(entry)
                 self.empty[self._build(option, entry)].append(end)
             return end
-        if isinstance(p, Star):  # loop: entry -> part -> back to entry; leave from entry
+        if isinstance(p, Star):  # entry -> part -> entry; leave from entry
             entry = self._node()
             self.empty[start].append(entry)
             self.empty[self._build(p.part, entry)].append(entry)
             return entry
-        if isinstance(p, Sep):  # entry -> item -> end; end -> sep -> back to entry; leave from end
+        if isinstance(p, Sep):  # entry -> item -> end -> sep -> entry; leave from end
             entry = self._node()
             self.empty[start].append(entry)
             end = self._build(p.item, entry)
@@ -175,10 +171,9 @@ class DFA:
         return state
 
 
-# JSON's pieces, as patterns (RFC 8259), written the way json.dumps writes them: ", " and ": ".
 DIGIT, NONZERO, HEX = byte_range(0x30, 0x39), byte_range(0x31, 0x39), Byte(frozenset(b"0123456789abcdefABCDEF"))
 CONTINUATION = byte_range(0x80, 0xBF)
-UTF8_CHAR = alt(  # a character of two to four bytes, valid UTF-8 only (no overlong forms, no surrogates)
+UTF8_CHAR = alt(  # two to four bytes, valid UTF-8 only
     seq(byte_range(0xC2, 0xDF), CONTINUATION),
     seq(Byte(frozenset([0xE0])), byte_range(0xA0, 0xBF), CONTINUATION),
     seq(Byte(frozenset([*range(0xE1, 0xED), 0xEE, 0xEF])), CONTINUATION, CONTINUATION),
@@ -190,7 +185,7 @@ NOT_SURROGATE = alt(  # four hex digits outside D800-DFFF: one \u escape is then
     seq(Byte(frozenset(b"0123456789abcefABCEF")), HEX, HEX, HEX),  # JSON Schema's lengths count them
     seq(Byte(frozenset(b"dD")), byte_range(0x30, 0x37), HEX, HEX))
 STRING_CHAR = alt(
-    Byte(frozenset(range(0x20, 0x80)) - frozenset(b'"\\')),  # printable ASCII but the quote and backslash
+    Byte(frozenset(range(0x20, 0x80)) - frozenset(b'"\\')),
     seq(lit("\\"), alt(Byte(frozenset(b'"\\/bfnrt')), seq(lit("u"), NOT_SURROGATE))),
     UTF8_CHAR)
 INTEGER = seq(optional(lit("-")), alt(lit("0"), seq(NONZERO, Star(DIGIT))))
@@ -246,7 +241,7 @@ def _same_length(lo: str, hi: str):
 
 
 def natural_range(lo: int, hi: int):
-    """The integers lo..hi (0 <= lo <= hi) as JSON writes them (no leading zeros): one run per digit count."""
+    """The integers lo..hi (0 <= lo <= hi), no leading zeros: one run per digit count."""
     runs = []
     for n in range(len(str(lo)), len(str(hi)) + 1):
         a, b = max(lo, 10 ** (n - 1) if n > 1 else 0), min(hi, 10**n - 1)
@@ -255,8 +250,7 @@ def natural_range(lo: int, hi: int):
 
 
 def integer_range(lo: int, hi: int):
-    """The integers lo..hi, negative ones with a minus sign (and "-0", JSON's other zero, when the range
-    holds 0 and negative numbers, as llguidance writes ranges)."""
+    """The integers lo..hi (and "-0" when the range holds 0 and negatives, as llguidance writes it)."""
     parts = [] if hi < 0 else [natural_range(max(lo, 0), hi)]
     if lo < 0 <= hi:
         parts.append(lit("-0"))
@@ -356,8 +350,7 @@ def _count(schema: dict, key: str, default):
 
 
 def _counts(schema: dict, low: str, high: str) -> tuple[int, int | None]:
-    """(minimum, maximum or None) of a pair of counts (minLength/maxLength, minItems/maxItems); a
-    schema whose minimum passes its maximum accepts nothing, and is refused rather than compiled."""
+    """(minimum, maximum or None) of minLength/maxLength or minItems/maxItems."""
     lo, hi = _count(schema, low, 0), _count(schema, high, None)
     if hi is not None and lo > hi:
         raise UnsupportedSchema(f"{low} {lo} is above {high} {hi}: no value is valid")
@@ -365,8 +358,7 @@ def _counts(schema: dict, low: str, high: str) -> tuple[int, int | None]:
 
 
 def _enum_texts(schema: dict) -> list[str]:
-    """The JSON texts of an enum's (or a const's) values that also pass the schema's other keywords
-    (its type, bounds, lengths): each value is checked by jsonschema, the reference validator."""
+    """The JSON texts of the enum's (or const's) values that jsonschema finds valid for the other keywords."""
     values = schema["enum"] if "enum" in schema else [schema["const"]]
     if not isinstance(values, list) or not values:
         raise UnsupportedSchema("enum must be a non-empty list")

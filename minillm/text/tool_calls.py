@@ -3,11 +3,7 @@
 """Tool calls: OpenAI's tools and tool_choice over a chat template, in the Hermes format of Qwen2.5 and Qwen3.
 
 Built in notebooks/14_structured_outputs.ipynb on minillm/text/constrained.py. A model calls a function
-by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A chat template that renders
-tools itself (Qwen's) gets them as they are; for one that does not (SmolLM2's), the functions are
-described in the system message and earlier calls and results are written as text.
-`call_format(tools, choice)` is the response_format that forces a call ("required" or a named
-function); `parse_tool_calls(text)` turns the blocks of an answer into OpenAI's tool_calls.
+by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
 """
 
 from __future__ import annotations
@@ -19,14 +15,13 @@ import uuid
 from minillm.text.tokenizer_files import template_named
 from minillm.utils.validate import lone_surrogate, shown
 
-OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"  # what Qwen2.5's and Qwen3's templates ask the model to write
+OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 def call_format(tools: list[dict], choice) -> dict | None:
-    """The response_format that forces one call of an allowed function (choice "required" or a named
-    function), or None when the model may answer in text ("auto", "none")."""
+    """The response_format that forces a call ("required" or a named function), or None ("auto", "none")."""
     if not isinstance(choice, dict) and choice != "required":
         return None
     allowed = [t["function"] for t in tools if not isinstance(choice, dict) or
@@ -46,8 +41,7 @@ def tool_prompt(tools: list[dict]) -> str:
 
 
 def template_messages(messages: list[dict], tools: list[dict], template_has_tools: bool) -> list[dict]:
-    """Messages as the template wants them: arguments of earlier calls as objects; for a template
-    without tools, the functions in the system message and calls and results written as text."""
+    """Messages as the template wants them (for one without tools: functions, calls and results as text)."""
     out = []
     for m in messages:
         calls = [{**c["function"], "arguments": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls") or []]
@@ -67,8 +61,7 @@ def template_messages(messages: list[dict], tools: list[dict], template_has_tool
 
 
 def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict], template_name: str | None = None) -> list[int]:
-    """Prompt ids of a chat that offers `tools`: the template (the one named, else the one a chat with
-    tools gets) renders them if it can, else the messages carry them (template_messages)."""
+    """Prompt ids of a chat that offers `tools`: rendered by the template if it can, else by the messages."""
     template = template_named(tokenizer.chat_templates, template_name, tokenizer.source, bool(tools),
                               tokenizer.chat_template)
     has_tools = "tools" in (template or "")
@@ -78,8 +71,7 @@ def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict], templa
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer: each <tool_call> block that holds {"name", "arguments"} as
-    JSON becomes an OpenAI tool call (arguments as a JSON string); the rest of the text is the content."""
+    """(content, tool_calls) of an answer: each <tool_call> block of JSON {"name", "arguments"} is a call."""
     calls = []
 
     def take(block: re.Match) -> str:
@@ -88,7 +80,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         except json.JSONDecodeError:
             call = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return block.group(0)  # not a call after all: it stays in the content
+            return block.group(0)  # not a call: stays in the content
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                       "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
         return ""
@@ -98,10 +90,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
 
 
 def validate_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
-    """(tools, choice), checked: tools a list of {"type": "function", "function": {"name", "description",
-    "parameters"}}; choice "none", "auto" (the default), "required" or {"type": "function", "function":
-    {"name": ...}}. ValueError whose message starts with the path of the field that is wrong
-    ("tools[2].function.parameters must be ..."); the server answers it with that path as `param`."""
+    """(tools, choice) checked against OpenAI's shapes; a ValueError's message starts with the path of the
+    field that is wrong ("tools[2].function.parameters must be ...")."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise ValueError(f"tool_choice needs tools: got {shown(tool_choice)} and no tools")
@@ -122,8 +112,7 @@ def validate_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
 
 
 def checked_function(tool, where: str) -> dict:
-    """The function of one entry of tools (at `where`, such as "tools[2]"), each level's type checked
-    before it is read; ValueError naming the path of what is wrong."""
+    """The function of the entry of tools at `where`, each level's type checked before it is read."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}, got {shown(tool)}")
     function = tool.get("function")
@@ -142,8 +131,7 @@ def checked_function(tool, where: str) -> dict:
 
 
 def checked_choice(choice, names: list[str]) -> str | dict:
-    """tool_choice: "auto" (None), "none", "required" or {"type": "function", "function": {"name": one of
-    names}}, each level's type checked before it is read; ValueError naming the path of what is wrong."""
+    """tool_choice: "auto" (None), "none", "required" or {"type": "function", "function": {"name": ...}}."""
     if choice is None:
         return "auto"
     if isinstance(choice, str) and choice in ("none", "auto", "required"):
