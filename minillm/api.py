@@ -114,7 +114,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     if tensor_parallel is not None:  # notebook 21: join the ranks, read this rank's slices
         net = load_rank_shard(source, tensor_parallel, dtype, device)
     elif quantize == "gguf":
-        net = load_gguf_quantized(path)  # notebook 12: the file's own 4-bit blocks, never float weights
+        net = load_gguf_quantized(path)  # notebook 12: the file's own Q4_0/Q4_1/Q8_0 blocks, never floats
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
         net = net if adapter is None else merge_adapter(net, adapter)  # W + B A, then quantize or fast
