@@ -392,6 +392,28 @@ def explore_int4_bits_per_weight(value) -> bool:
     return run_explore("int4_bits_per_weight", body)
 
 
+# ------------------------------------------------------------------ 16 paged attention: the gather's copy
+
+
+def gather_copy_mib(batch: int = 8, context: int = 4096) -> float:
+    """MiB of keys and values a gathered decode step copies: SmolLM2 in float32, every layer, every sequence."""
+    config = ModelConfig.from_json(CONFIGS / "SmolLM2-135M-Instruct.json")
+    return batch * kv_cache_bytes(config, context, dtype=torch.float32) / 2**20
+
+
+def explore_gather_copy_mib(value) -> bool:
+    """MiB the gather copies in one decode step of 8 SmolLM2 sequences of 4096 tokens, float32; within 0.5%."""
+    def body():
+        want = gather_copy_mib()
+        close_to("gather_copy_mib", value, want, rel=0.005, mistakes=[
+            ("the copy moves keys and values, 4 bytes a number in float32", want / 2),
+            ("the cache holds num_key_value_heads heads of head_dim, not num_attention_heads", want * 3),
+            ("every layer's keys and values are copied, num_hidden_layers of them", want / 30),
+            ("MiB is 2**20 bytes, not 10**6", want * 2**20 / 1e6),
+            ("that is one sequence: the step copies all eight", want / 8)])
+    return run_explore("gather_copy_mib", body)
+
+
 EXPLORE = {
     "slow_pairs_theta_10k": explore_slow_pairs_theta_10k,
     "mlp_share_of_model": explore_mlp_share_of_model,
@@ -405,5 +427,6 @@ EXPLORE = {
     "broken_tokens": explore_broken_tokens,
     "int4_bits_per_weight": explore_int4_bits_per_weight,
     "sequences_that_fit": explore_sequences_that_fit,
+    "gather_copy_mib": explore_gather_copy_mib,
 }
 """Exploration name (the answer's variable) -> its check; the reference values come from the functions above."""

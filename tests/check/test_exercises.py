@@ -1241,6 +1241,7 @@ EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of 
     "slow_pairs_theta_10k": (7, 12, "SmolLM2's own rope_theta"),
     "mlp_share_of_model": (check_explore.mlp_share_of_model(), 0.7498, "the whole model"),
     "sequences_that_fit": ((11, 306), (11, 310), "whole blocks"),
+    "gather_copy_mib": (1440.0, 720.0, "keys and values"),
     "attention_crossover_tokens": (3892, 11674, "GQA shares keys and values in memory"),
     "qwen7b_bytes": (check_explore.qwen7b_bytes(), (check_explore.qwen7b_bytes(q8=1.0, q4=0.5)[0],
                                                     check_explore.qwen7b_bytes()[1]), "float16 scale"),
@@ -1279,6 +1280,7 @@ def test_exploration_references_are_the_numbers_the_notebooks_print():
     assert check_explore.slow_pairs() == 7 and check_explore.slow_pairs(100_000.0) == 12  # notebook 03's first_slow = 20
     assert abs(check_explore.mlp_share_of_model() - 30 * 3 * 576 * 1536 / 134_515_008) < 1e-9
     assert check_explore.sequences_that_fit() == (2**31 // (8192 * 23040), 2**31 // (19 * 16 * 23040))
+    assert check_explore.gather_copy_mib() == 8 * 4096 * 2 * 30 * 3 * 64 * 4 / 2**20  # = 1440
     assert check_explore.attention_crossover_tokens() == -(-(30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
                                                              + 49152 * 576) // (2 * 30 * 9 * 64))
     smol_file, smol_float = check_explore.qwen7b_bytes(config="SmolLM2-135M-Instruct")
