@@ -228,15 +228,9 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int], *
 
 
 @torch.no_grad()
-def generate_batch(
-    model: CausalLM,
-    tokenizer: Tokenizer,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams = SamplingParams(temperature=0),
-    max_new_tokens: int = 256,
-    eos_token_ids: Sequence[int] | None = None,
-    constraints: Sequence | None = None,
-) -> list[list[int]]:
+def generate_batch(model: CausalLM, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
+                   params: SamplingParams = SamplingParams(temperature=0), max_new_tokens: int = 256,
+                   eos_token_ids: Sequence[int] | None = None, constraints: Sequence | None = None) -> list[list[int]]:
     """Generated ids for each prompt, as one left-padded batch; constraints: one per row or None, as stream's."""
     device = next(model.parameters()).device
     prompts = [validate_prompt(p, max_new_tokens, model.config.max_position_embeddings, model.config.vocab_size, params)
