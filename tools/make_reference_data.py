@@ -115,6 +115,53 @@ TINY_MODELS = {
 
 SEQUENCE_LENGTHS = (1, 9, 80)  # one token, a short prompt, one of >= 64 tokens
 
+# Qwen3.5 (transformers' qwen3_5): three Gated DeltaNet layers, then one gated-attention layer.
+# Each knob differs from its neighbour so a swapped size fails: 2 key heads serve 4 value heads
+# (as in Qwen3.5-4B/9B), key and value head dims differ, head_dim 32 with a partial RoPE of 25%
+# (8 rotated dims), and the chunked prefill (chunks of 64) meets a boundary in the 80- and
+# 140-token prompts. The hub's layout: Qwen3_5ForConditionalGeneration, the decoder under
+# model.language_model., a tiny vision tower under model.visual., tied embeddings like Qwen3.5-0.8B.
+# (The text-only layout, Qwen3_5ForCausalLM with the decoder under model., is the same weights
+# renamed: the tests write it from this one rather than keep a second copy in data/.)
+_QWEN3_5_TEXT = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    hidden_act="silu",
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    attention_bias=False,
+    attn_output_gate=True,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    full_attention_interval=4,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                         mrope_interleaved=True, mrope_section=[2, 1, 1]),
+    bos_token_id=None,
+    eos_token_id=2,
+)
+QWEN3_5_MODELS = {
+    "tiny-qwen3_5": dict(
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        model_type="qwen3_5",
+        tie_word_embeddings=True,
+        text_config=dict(_QWEN3_5_TEXT, model_type="qwen3_5_text", tie_word_embeddings=True),
+        vision_config=dict(model_type="qwen3_5_vision", depth=1, hidden_size=16, intermediate_size=32,
+                           num_heads=2, out_hidden_size=64, patch_size=2, temporal_patch_size=2,
+                           spatial_merge_size=2, num_position_embeddings=16),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303,
+    ),
+}
+QWEN3_5_LENGTHS = (1, 9, 80, 140)
+
 SMOLLM2_CHATS = [
     [{"role": "user", "content": "Write a short poem about the sea."}],
     [
@@ -133,20 +180,32 @@ def versions() -> dict:
     return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
 
 
-def spread_init(model: torch.nn.Module, generator: torch.Generator) -> None:
+def spread_init(model: torch.nn.Module, generator: torch.Generator, zero_centred: bool = False) -> None:
     """Re-initialise so logits spread over several units.
 
     transformers' default init (std 0.02) leaves a tiny model's logits nearly uniform,
     so a wrong RoPE offset or a dropped bias can hide inside a 1e-4 tolerance. Here each
     linear weight keeps activations at unit scale (std 1/sqrt(fan_in)), biases and norm
     weights are far from 0 and 1, and embeddings are large enough for logits of a few units.
+    zero_centred: the model's RMSNorms scale by (1 + weight) (Qwen3.5), so their weights sit near 0.
+    A vision tower (model.visual.) keeps transformers' init: a text model never reads it.
     """
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if ".visual." in f".{name}":
+                continue
             if name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+            elif zero_centred and name.endswith("norm.weight") and "linear_attn.norm" not in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=generator))  # Qwen3.5 scales by (1 + w)
             elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=generator))
+            elif name.endswith("A_log"):  # per-head decay rate: some heads keep state long, some forget fast
+                p.copy_(torch.empty(p.shape).uniform_(-4.0, 1.0, generator=generator))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=generator))
+            elif name.endswith("conv1d.weight"):  # (C, 1, K) depthwise
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=generator))
             elif p.ndim == 2:
@@ -197,25 +256,7 @@ def build_tiny(name: str, hub_config: dict, seed: int) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     gen = torch.Generator().manual_seed(seed + 1)
-    tensors, sequences = {}, []
-    for i, length in enumerate(SEQUENCE_LENGTHS):
-        # token ids from 3 upward: 0..2 are the pad/bos/eos ids of the config
-        input_ids = torch.randint(3, hub_config["vocab_size"], (length,), generator=gen)
-        with torch.no_grad():
-            logits = model(input_ids[None]).logits[0].float()  # (T, V)
-        cont, margin = greedy(model, input_ids, GREEDY_TOKENS)
-        tensors[f"input_ids_{i}"] = input_ids.to(torch.int64)
-        tensors[f"logits_{i}"] = logits.contiguous()
-        tensors[f"greedy_{i}"] = torch.tensor(cont, dtype=torch.int64)
-        sequences.append(
-            {
-                "length": length,
-                "input_ids": input_ids.tolist(),
-                "greedy": cont,
-                "logits_std": round(float(logits.std(dim=-1).mean()), 4),
-                "greedy_min_top2_margin": round(margin, 6),
-            }
-        )
+    tensors, sequences = reference_sequences(model, hub_config["vocab_size"], SEQUENCE_LENGTHS, gen)
     save_file(tensors, folder / "reference.safetensors")
     meta = {
         "model": name,
@@ -224,6 +265,66 @@ def build_tiny(name: str, hub_config: dict, seed: int) -> None:
         "versions": versions(),
         "attn_implementation": "eager",
         "dtype": "float32",
+        "greedy_tokens": GREEDY_TOKENS,
+        "greedy_method": "argmax of a full recompute per step, eos ignored",
+        "sequences": sequences,
+    }
+    (folder / "reference.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"{name}: logits std per position {[s['logits_std'] for s in sequences]}")
+
+
+def reference_sequences(model, vocab_size: int, lengths, gen: torch.Generator) -> tuple[dict, list]:
+    """Random prompts of the given lengths, their logits (T, V) and greedy continuations."""
+    tensors, sequences = {}, []
+    for i, length in enumerate(lengths):
+        # token ids from 3 upward: 0..2 are the pad/bos/eos ids of the config
+        input_ids = torch.randint(3, vocab_size, (length,), generator=gen)
+        with torch.no_grad():
+            logits = model(input_ids[None]).logits[0].float()  # (T, V)
+        cont, margin = greedy(model, input_ids, GREEDY_TOKENS)
+        tensors[f"input_ids_{i}"] = input_ids.to(torch.int64)
+        tensors[f"logits_{i}"] = logits.contiguous()
+        tensors[f"greedy_{i}"] = torch.tensor(cont, dtype=torch.int64)
+        sequences.append({"length": length, "input_ids": input_ids.tolist(), "greedy": cont,
+                          "logits_std": round(float(logits.std(dim=-1).mean()), 4),
+                          "greedy_min_top2_margin": round(margin, 6)})
+    return tensors, sequences
+
+
+def build_tiny_qwen3_5(name: str, hub_config: dict, seed: int) -> None:
+    """A tiny Qwen3.5 in the hub's layout, checked by reloading it as a user would (from the folder)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    folder = DATA / name
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    fields = {k: v for k, v in hub_config.items() if k != "architectures"}
+    conditional = hub_config["architectures"][0] == "Qwen3_5ForConditionalGeneration"
+    config = Qwen3_5Config(**fields) if conditional else Qwen3_5TextConfig(**fields)
+    torch.manual_seed(seed)
+    cls = Qwen3_5ForConditionalGeneration if conditional else Qwen3_5ForCausalLM
+    model = cls(config).to(torch.float32)
+    spread_init(model, torch.Generator().manual_seed(seed), zero_centred=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    for extra in folder.iterdir():
+        if extra.name not in ("config.json", "model.safetensors"):
+            extra.unlink()
+    (folder / "config.json").write_text(json.dumps(hub_config, indent=2, sort_keys=True) + "\n")
+
+    model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    text = hub_config.get("text_config", hub_config)
+    tensors, sequences = reference_sequences(model, text["vocab_size"], QWEN3_5_LENGTHS,
+                                             torch.Generator().manual_seed(seed + 1))
+    save_file(tensors, folder / "reference.safetensors")
+    meta = {
+        "model": name,
+        "architecture": hub_config["architectures"][0],
+        "seed": seed,
+        "versions": versions(),
+        "attn_implementation": "eager",
+        "dtype": "float32",
+        "linear_attention": "transformers' torch_chunk_gated_delta_rule (chunks of 64), no cache",
         "greedy_tokens": GREEDY_TOKENS,
         "greedy_method": "argmax of a full recompute per step, eos ignored",
         "sequences": sequences,
@@ -298,7 +399,7 @@ def write_manifest() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write minillm's reference data with transformers.")
-    parser.add_argument("--only", choices=[*TINY_MODELS, "smollm2"], help="rebuild one fixture")
+    parser.add_argument("--only", choices=[*TINY_MODELS, *QWEN3_5_MODELS, "smollm2"], help="rebuild one fixture")
     parser.add_argument("--manifest-only", action="store_true", help="only rewrite data/manifest.json")
     args = parser.parse_args()
     if args.manifest_only:
@@ -307,6 +408,9 @@ def main() -> None:
     for i, (name, config) in enumerate(TINY_MODELS.items()):
         if args.only in (None, name):
             build_tiny(name, config, SEED + 100 * i)
+    for i, (name, config) in enumerate(QWEN3_5_MODELS.items()):
+        if args.only in (None, name):
+            build_tiny_qwen3_5(name, config, SEED + 1000 + 100 * i)
     if args.only in (None, "smollm2"):
         build_smollm2()
     write_manifest()

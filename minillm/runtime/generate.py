@@ -157,7 +157,7 @@ class Completion:
     finish_reason: str
     metrics: Metrics
     logprobs: list[float] = field(default_factory=list)
-    tool_calls: list[dict] = field(default_factory=list)  # notebook 22's LLM.chat(tools=...), parsed as in 14
+    tool_calls: list[dict] = field(default_factory=list)  # notebook 23's LLM.chat(tools=...), parsed as in 14
 
 
 def apply_constraints(logits: torch.Tensor, constraints: Sequence) -> torch.Tensor:
@@ -172,12 +172,13 @@ def apply_constraints(logits: torch.Tensor, constraints: Sequence) -> torch.Tens
 @torch.no_grad()
 def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
            params: SamplingParams = SamplingParams(temperature=0), max_new_tokens: int = 256,
-           stop: Sequence[str] = (), eos_token_ids: Sequence[int] | None = None, constraint=None) -> Iterator[Step]:
+           stop: Sequence[str] = (), eos_token_ids: Sequence[int] | None = None, constraint=None,
+           cache_factory=make_cache) -> Iterator[Step]:
     """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics.
 
-    After the set-up: prefill the prompt into `cache` at position 0, then until `text_stream.push` gives a
-    finish reason, sample (after `apply_constraints` for a `constraint`), push the token, decode it at its
-    position. Metrics: `generation_metrics` of `synchronized_time(device)` at the start, after the
+    After the set-up (`cache_factory` makes the cache; a hybrid model's: notebook 22): prefill the prompt
+    into `cache` at position 0, then until `text_stream.push` gives a finish reason, sample (after
+    `apply_constraints` for a `constraint`), push the token, decode it at its position. Metrics: `generation_metrics` of `synchronized_time(device)` at the start, after the
     prefill, at the first token and at the end."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
@@ -185,7 +186,7 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
     text_stream = TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
     total = min(len(prompt_ids) + max_new_tokens, context)  # the cache never needs more
-    cache = make_cache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
+    cache = cache_factory(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
     generator = make_generator(params.seed, device)
     reset_peak_memory(device)
 
@@ -230,8 +231,9 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int], *
 @torch.no_grad()
 def generate_batch(model: CausalLM, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
                    params: SamplingParams = SamplingParams(temperature=0), max_new_tokens: int = 256,
-                   eos_token_ids: Sequence[int] | None = None, constraints: Sequence | None = None) -> list[list[int]]:
-    """Generated ids for each prompt, as one left-padded batch; constraints: one per row or None, as stream's."""
+                   eos_token_ids: Sequence[int] | None = None, constraints: Sequence | None = None,
+                   cache_factory=make_cache) -> list[list[int]]:
+    """Generated ids for each prompt, as one left-padded batch; constraints and cache_factory as stream's."""
     device = next(model.parameters()).device
     prompts = [validate_prompt(p, max_new_tokens, model.config.max_position_embeddings, model.config.vocab_size, params)
                for p in prompts]
@@ -243,7 +245,7 @@ def generate_batch(model: CausalLM, tokenizer: Tokenizer, prompts: Sequence[Sequ
     for b, p in enumerate(prompts):
         ids[b, T - len(p):] = torch.tensor(p, device=device)  # left padding
         mask[b, T - len(p):] = 1
-    cache = make_cache(model.config, B, total, dtype=next(model.parameters()).dtype, device=device)
+    cache = cache_factory(model.config, B, total, dtype=next(model.parameters()).dtype, device=device)
     generator = make_generator(params.seed, device)
     logits = model(ids, attention_mask=mask[:, :T], cache=cache)[:, -1]  # (B, V)
     seen, out, done = [list(p) for p in prompts], [[] for _ in prompts], [False] * B

@@ -157,12 +157,13 @@ def gguf_tensors(config: ModelConfig, shapes: dict, infos: list) -> Iterator[tup
         yield name, hf_rows(config, name, gguf_float(t, shapes[name]))
 
 
-def validate_names_and_shapes(config: ModelConfig, shapes: dict, source: str) -> CausalLM:
-    """A model on the meta device, after checking every tensor name and shape against it (no data)."""
+def validate_names_and_shapes(config: ModelConfig, shapes: dict, source: str, model_class=CausalLM) -> CausalLM:
+    """A model on the meta device, after checking every tensor name and shape against it (no data).
+    model_class: the decoder, or another model built from a config (notebook 22's hybrid)."""
     _validate_layer_count(config, shapes, source)  # before building: a bad count could mean 10**9 modules
     try:
         with torch.device("meta"):
-            model = CausalLM(config)
+            model = model_class(config)
     except (ValueError, RuntimeError) as exc:  # a config no model has: heads not a multiple of kv heads, 2**31 wide
         raise WeightsError(f"{source}: the config cannot build a model ({exc})") from None
     try:
@@ -172,8 +173,9 @@ def validate_names_and_shapes(config: ModelConfig, shapes: dict, source: str) ->
     return model
 
 
-def _build(config: ModelConfig, shapes: dict, tensors: Iterator, dtype: torch.dtype, device, source: str) -> CausalLM:
-    model = validate_names_and_shapes(config, shapes, source)
+def _build(config: ModelConfig, shapes: dict, tensors: Iterator, dtype: torch.dtype, device, source: str,
+           model_class=CausalLM) -> CausalLM:
+    model = validate_names_and_shapes(config, shapes, source, model_class)
     model = model.to(dtype=dtype).to_empty(device=device)  # allocated once, uninitialized
     model.reset_rope()  # to_empty() left inv_freq uninitialised
     params, copied = model.state_dict(), 0
@@ -234,12 +236,12 @@ def load_folder(folder: str | Path, dtype: torch.dtype | None = None, device: st
     return _build(config, shapes, tensors, dtype, device, source)
 
 
-def open_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator, str]:
+def open_folder(folder: str | Path, config_class=ModelConfig) -> tuple[ModelConfig, dict[str, tuple[int, ...]], Iterator, str]:
     """Check a folder's config and safetensors headers; return its config, {name: shape}, the stream of
     (name, tensor) and the source errors name (notebook 21's sharded loader reads the same stream)."""
     folder = Path(folder)
     where = checkpoint_files(folder)
-    config = ModelConfig.from_json(folder / "config.json")
+    config = config_class.from_json(folder / "config.json")
     headers = {file: read_safetensors_header(file) for file in sorted(set(where.values()))}
     shapes = {name: tuple(headers[file][name]["shape"]) for name, file in where.items()}
     _validate_float_dtypes(where, headers)  # same bytes, another meaning: a float relabelled U32 would load as garbage
