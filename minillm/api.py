@@ -5,7 +5,8 @@
 Built in notebooks/23_qwen_end_to_end.ipynb on notebook 10's LLM and load (minillm/runtime/llm.py):
 the weight options of notebooks 12 (quantize), 13 (fast, compile), 20 (lora) and 21 (tensor_parallel),
 and the answer options of notebooks 14 (response_format, tools) and 19 (speculative). Every option
-is checked before any file is read.
+is checked before any file is read. Qwen3.5 (notebook 22) loads by its own loader and decodes with
+its hybrid cache; the options built for the decoder are refused for it, by name.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from pathlib import Path
 
 import torch
 
+from minillm.cache.dense import make_cache
+from minillm.cache.hybrid import make_hybrid_cache
 from minillm.model.decoder import CausalLM
 from minillm.model.devices import parse_device, parse_dtype
+from minillm.model.qwen3_5 import HybridCausalLM
 from minillm.parallel.tensor_parallel import load_rank_shard
 from minillm.runtime import llm as basic
 from minillm.runtime.generate import Completion, Step, collect
@@ -30,6 +34,8 @@ from minillm.text.constrained import Constraints
 from minillm.text.tool_calls import call_format, encode_with_tools, parse_tool_calls, validate_tools
 from minillm.utils.validate import is_int
 from minillm.weights.embedded import embedded_gguf_path
+from minillm.weights.hybrid import hybrid_folder, load_hybrid_folder
+from minillm.weights.hybrid_gguf import is_hybrid_gguf, load_hybrid_gguf
 from minillm.weights.loading import gguf_architecture, load_model
 from minillm.weights.lora import merge_adapter, read_adapter
 
@@ -40,11 +46,14 @@ class LLM(basic.LLM):
     def __init__(self, model: CausalLM, tokenizer):
         super().__init__(model, tokenizer)
         self.constraints = Constraints(tokenizer, model.config.vocab_size)  # compiles response formats on use
+        self.cache_factory = make_hybrid_cache if isinstance(model, HybridCausalLM) else make_cache  # nb 22
 
     def _steps(self, ids, params, speculative=None, response_format=None, **kwargs) -> Iterator[Step]:
         constraint = self.constraints.for_format(response_format)  # None for free text
         if speculative is None:
-            return super()._steps(ids, params, constraint=constraint, **kwargs)
+            return super()._steps(ids, params, constraint=constraint, cache_factory=self.cache_factory, **kwargs)
+        if isinstance(self.model, HybridCausalLM):
+            raise ValueError("speculative decoding rolls back a KV cache; Qwen3.5's states do not roll back yet")
         if constraint is not None:
             raise ValueError("speculative decoding does not take a response_format; pass one or the other")
         return speculative_stream(self.model, self.tokenizer, ids, self.drafter(speculative),
@@ -102,12 +111,16 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     lora (notebook 20): a PEFT LoRA adapter's folder, merged into the float weights before the options.
     tensor_parallel (notebook 21): N, in each of the N processes torchrun starts: this rank's shard."""
     _validate_options(quantize, group_size, fast, compile, lora, tensor_parallel)  # before any work (Plumbing, below)
-    adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     source = embedded_gguf_path() if model is None else model
-    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     path = Path(source)
-    if path.suffix == ".gguf":  # the header alone: a model minillm lacks is refused before its
-        gguf_architecture(path)  # tokenizer decodes a vocabulary (Gemma 3: 262,144 tokens)
+    hybrid_gguf = path.suffix == ".gguf" and is_hybrid_gguf(path)  # llama.cpp's qwen35 (A5): the header says
+    hybrid = hybrid_folder(source)  # a Qwen3.5 folder or hub id (notebook 22): its config alone says
+    if hybrid is not None or hybrid_gguf:
+        _validate_hybrid_options(quantize, fast, lora, tensor_parallel)
+    adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if path.suffix == ".gguf" and not hybrid_gguf:  # the header alone: a model minillm lacks is refused
+        gguf_architecture(path)  # before its tokenizer decodes a vocabulary (Gemma 3: 262,144 tokens)
     if quantize == "gguf":
         _validate_gguf_source(source, device, dtype)
     tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # fails before the weights
@@ -115,6 +128,9 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
         net = load_rank_shard(source, tensor_parallel, dtype, device)
     elif quantize == "gguf":
         net = load_gguf_quantized(path)  # notebook 12: the file's own Q4_0/Q4_1/Q8_0 blocks, never floats
+    elif hybrid is not None or hybrid_gguf:
+        load_hybrid = load_hybrid_folder if hybrid is not None else load_hybrid_gguf
+        net = load_hybrid(hybrid or path, dtype=dtype, device=None if device is None else parse_device(device))
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
         net = net if adapter is None else merge_adapter(net, adapter)  # W + B A, then quantize or fast
@@ -146,6 +162,14 @@ def _validate_options(quantize: str | None, group_size: int, fast: bool, compile
         raise ValueError("tensor_parallel splits the float model's own linears: drop quantize, fast and lora")
     if lora is not None and quantize == "gguf":
         raise ValueError("lora= merges an adapter into float weights; quantize='gguf' keeps the file's 4-bit blocks")
+
+
+def _validate_hybrid_options(quantize: str | None, fast: bool, lora, tensor_parallel: int | None) -> None:
+    """Qwen3.5 (notebook 22) runs in float weights, one process: the decoder's weight options are refused."""
+    asked = [name for name, on in (("quantize", quantize), ("fast", fast), ("lora", lora is not None),
+                                   ("tensor_parallel", tensor_parallel is not None)) if on]
+    if asked:
+        raise ValueError(f"{', '.join(asked)}: not built for Qwen3.5's hybrid layers yet; load it without them")
 
 
 def _validate_gguf_source(source: str | Path, device: str | torch.device | None, dtype: torch.dtype | None) -> None:

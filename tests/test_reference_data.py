@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from support import DATA, ROOT, TINY
+from support import DATA, HYBRID, ROOT, TINY
 from minillm.weights.hub import sha256_file
-from support import SMOLLM2_REL, TINY_REL, assert_logits_close, logits_tolerance, top2_margin
+from support import HYBRID_REL, SMOLLM2_REL, TINY_REL, assert_logits_close, logits_tolerance, top2_margin
 
 GREEDY_TOKENS = 32
 NOT_IN_MANIFEST = {"manifest.json", "README.md"}
@@ -92,6 +92,11 @@ def expected_weights(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def rel_of(name: str) -> float:
+    """The logits tolerance level of a fixture (tests/support.py): the hybrid's float32 is noisier."""
+    return HYBRID_REL if name in HYBRID else TINY_REL
+
+
 def numbered(tensors: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
     """tensors[prefix_0], tensors[prefix_1], ... in order."""
     count = sum(1 for name in tensors if re.fullmatch(rf"{prefix}_\d+", name))
@@ -99,11 +104,21 @@ def numbered(tensors: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor
 
 
 def load_hf_model(path: Path, **kwargs):
-    """A transformers model in fp32 with eager attention; every weight must come from the file."""
+    """A transformers model in fp32 with eager attention; every weight must come from the file.
+
+    A folder whose config names a multimodal architecture (Qwen3_5ForConditionalGeneration: the
+    text model beside a vision tower) loads that class, so that every tensor of the file is used."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
+    model_class = AutoModelForCausalLM
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        architecture = (read_json(config_file).get("architectures") or [""])[0]
+        if architecture.endswith("ForConditionalGeneration"):
+            model_class = getattr(transformers, architecture)
     torch.manual_seed(0)  # any weight left to random init would at least be reproducible
-    model, info = AutoModelForCausalLM.from_pretrained(
+    model, info = model_class.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True, **kwargs
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -136,8 +151,28 @@ def test_manifest_transformers_version_is_the_pinned_one():
 # ---------------------------------------------------------------- tiny checkpoints
 
 
-def test_tiny_folders_are_exactly_the_four_variants():
+def test_tiny_folders_are_exactly_the_four_variants_and_the_hybrid():
+    """tiny-* are the decoder's (its notebooks loop over them); the hybrid's folder is named apart."""
     assert {p.name for p in DATA.glob("tiny-*") if p.is_dir()} == set(TINY)
+    assert all((DATA / name / "reference.safetensors").is_file() for name in HYBRID)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_config_is_the_hubs_layout(name):
+    """Qwen3.5's config.json as the hub has it: the text model's fields under text_config (3
+    DeltaNet layers then 1 attention layer), a vision tower's under vision_config."""
+    config = read_json(DATA / name / "config.json")
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and config["model_type"] == "qwen3_5"
+    text = config["text_config"]
+    assert text["model_type"] == "qwen3_5_text"
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert text["num_hidden_layers"] == len(text["layer_types"])
+    assert config["vision_config"]["model_type"] == "qwen3_5_vision"
+    assert config["tie_word_embeddings"] and text["tie_word_embeddings"]
+    names = tensor_shapes(DATA / name / "model.safetensors")
+    assert any(n.startswith("model.visual.") for n in names)
+    assert "model.language_model.layers.0.linear_attn.A_log" in names
+    assert "model.language_model.layers.3.self_attn.q_proj.weight" in names
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -167,10 +202,11 @@ def test_tiny_weights_match_config(name):
     assert has_bias == (config["model_type"] == "qwen2")
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY + HYBRID)
 def test_tiny_reference_tensors(name):
     """Shapes, dtypes and coverage: a 1-token and a >= 64-token sequence, ids inside the vocab."""
-    vocab = read_json(DATA / name / "config.json")["vocab_size"]
+    config = read_json(DATA / name / "config.json")
+    vocab = config.get("text_config", config)["vocab_size"]  # Qwen3.5 nests the text model's fields
     ref = load_file(DATA / name / "reference.safetensors")
     inputs, logits, greedy = numbered(ref, "input_ids"), numbered(ref, "logits"), numbered(ref, "greedy")
     assert len(inputs) >= 3 and len(inputs) == len(logits) == len(greedy) == len(ref) // 3
@@ -184,11 +220,14 @@ def test_tiny_reference_tensors(name):
             assert 0 <= int(tokens.min()) and int(tokens.max()) < vocab
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY + HYBRID)
 def test_tiny_reference_json_agrees_with_tensors(name):
     meta = read_json(DATA / name / "reference.json")
     ref = load_file(DATA / name / "reference.safetensors")
     assert meta["versions"]["transformers"] == pinned_transformers()
+    if name in HYBRID:  # the 140-token prompt crosses two of the DeltaNet's 64-token chunks
+        assert meta["architecture"] == read_json(DATA / name / "config.json")["architectures"][0]
+        assert max(seq["length"] for seq in meta["sequences"]) > 128
     assert meta["dtype"] == "float32" and meta["attn_implementation"] == "eager"
     assert len(meta["sequences"]) == len(numbered(ref, "input_ids"))
     for i, seq in enumerate(meta["sequences"]):
@@ -199,7 +238,7 @@ def test_tiny_reference_json_agrees_with_tensors(name):
         assert seq["logits_std"] == pytest.approx(std, abs=1e-3)
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY + HYBRID)
 def test_tiny_logits_spread_and_greedy_starts_at_argmax(name):
     """Spread logits (std over the vocab well above 1) are what lets a 1e-4 comparison
     catch a subtle bug; the first greedy token is the argmax after the prompt."""
@@ -209,17 +248,17 @@ def test_tiny_logits_spread_and_greedy_starts_at_argmax(name):
         assert int(ref[f"greedy_{i}"][0]) == int(logits[-1].argmax())
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY + HYBRID)
 def test_transformers_reproduces_tiny_logits(name):
     ref = load_file(DATA / name / "reference.safetensors")
     model = load_hf_model(DATA / name)
     with torch.no_grad():
         for i, ids in enumerate(numbered(ref, "input_ids")):
             logits = model(ids[None]).logits[0]  # (T, V)
-            assert_logits_close(logits, ref[f"logits_{i}"], msg=f"{name} logits_{i}")
+            assert_logits_close(logits, ref[f"logits_{i}"], rel_of(name), msg=f"{name} logits_{i}")
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY + HYBRID)
 def test_tiny_greedy_margins_survive_the_tolerance(name):
     """Every stored greedy step is decided by more than twice the logits tolerance, so a machine
     whose logits pass the tolerance also picks the stored tokens (tests/support.py).
@@ -227,7 +266,7 @@ def test_tiny_greedy_margins_survive_the_tolerance(name):
     ref = load_file(DATA / name / "reference.safetensors")
     model = load_hf_model(DATA / name)
     for i, prompt in enumerate(numbered(ref, "input_ids")):
-        tol = logits_tolerance(ref[f"logits_{i}"], TINY_REL)
+        tol = logits_tolerance(ref[f"logits_{i}"], rel_of(name))
         assert_greedy_decided_beyond(2 * tol, model, prompt, ref[f"greedy_{i}"], f"{name} greedy_{i}")
 
 
@@ -240,7 +279,7 @@ def assert_greedy_decided_beyond(gap: float, model, prompt: torch.Tensor, greedy
     assert float(margin.min()) > gap, f"{what} step {int(margin.argmin())}: top-2 margin {float(margin.min()):.1e} <= {gap:.1e}"
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY + HYBRID)
 def test_transformers_reproduces_tiny_greedy_on_long_sequence(name):
     """Teacher forcing: one forward over prompt + greedy[:-1] gives, at each of the last 32
     positions, the logits the full-recompute greedy step saw, so its argmax is that token."""

@@ -3,7 +3,7 @@
     .venv/bin/python tools/make_reference_data.py            # everything
     .venv/bin/python tools/make_reference_data.py --only tiny-llama
 
-For each tiny random checkpoint (data/tiny-*/):
+For each tiny random checkpoint (data/tiny-*/, and Qwen3.5's data/qwen3_5-tiny/):
   config.json, model.safetensors   Hugging Face layout, config in the hub's classic format
   reference.safetensors            input_ids_i (T,), logits_i (T, V) fp32, greedy_i (32,)
   reference.json                   what was made, how, and with which versions
@@ -149,7 +149,7 @@ _QWEN3_5_TEXT = dict(
     eos_token_id=2,
 )
 QWEN3_5_MODELS = {
-    "tiny-qwen3_5": dict(
+    "qwen3_5-tiny": dict(
         architectures=["Qwen3_5ForConditionalGeneration"],
         model_type="qwen3_5",
         tie_word_embeddings=True,

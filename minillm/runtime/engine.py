@@ -357,6 +357,9 @@ class EngineCore:
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, max_prefill_tokens: int = 4096,
                  attention: str = "auto", prefill_chunk: int | None = None):
         self.model, self.tokenizer, self.device = model, tokenizer, (param := next(model.parameters())).device
+        if set(getattr(model.config, "layer_types", ["full_attention"])) != {"full_attention"}:  # nb 22's hybrid
+            raise ValueError("the engine pages KV caches only; a model with linear-attention layers (Qwen3.5, "
+                             "notebook 22) keeps a state per sequence: use generate or LLM.chat")
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
         self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
