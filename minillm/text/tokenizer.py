@@ -71,14 +71,13 @@ def unspell(token: str) -> bytes:
         return token.encode("utf-8")
 
 
-QWEN_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5 (llama.cpp's `qwen35`, src/llama-vocab.cpp at 0c1e57098): Qwen2's, combining marks (\p{M}) as letters
+QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def split_pre_tokenizer(pattern: str) -> pre_tokenizers.PreTokenizer:
@@ -99,6 +98,7 @@ PRE_TOKENIZERS = {
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ]),
     "qwen2": lambda: split_pre_tokenizer(QWEN_PATTERN),
+    "qwen35": lambda: split_pre_tokenizer(QWEN35_PATTERN),
     "llama-bpe": lambda: split_pre_tokenizer(LLAMA3_PATTERN),
 }
 # llama.cpp's ignore_merges: a piece found whole in the vocabulary is one token (Llama 3; the vocab tests section)
