@@ -36,8 +36,8 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt $(QWEN35_VOCAB)
 	$(PIP) -r requirements-dev.txt
 	touch $@
 
-# The tests' copy of llama.cpp's Qwen3.5 test vocabulary (5.9 MB, too big for data/): taken from
-# the pinned llama-cpp-python sdist, both hashes checked (see the script).
+# The tests' copy of llama.cpp's Qwen3.5 test vocabulary (5.9 MB, too big for data/) and of its
+# GGUF converter: taken from the pinned llama-cpp-python sdist, its hash checked (see the script).
 $(QWEN35_VOCAB): tools/fetch_llama_cpp_vocab.py | $(VENV)/.runtime
 	$(PY) tools/fetch_llama_cpp_vocab.py
 	touch $@

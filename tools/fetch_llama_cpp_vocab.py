@@ -1,14 +1,21 @@
-"""Fetch llama.cpp's Qwen3.5 test vocabulary (ggml-vocab-qwen35.gguf) into .venv/llama-cpp/.
+"""Fetch the test files llama.cpp ships, from its pinned sdist, into .venv/llama-cpp/.
 
-The file is 5.9 MB (1.3 MB with xz -9e), too big for data/'s 10 MB budget, so it is not committed:
-`make test` runs this script (through the Makefile's .venv/.dev target), which downloads the same
-pinned source distribution the files in data/llama-cpp-vocab/ come from (llama-cpp-python 0.3.36,
-which vendors llama.cpp at 0c1e57098), checks its sha256, and extracts only the vocabulary file,
-checked by its own sha256. The test texts and ids (.inp, .out) are small and are in
-data/llama-cpp-vocab/. tests/text/test_qwen35_tokenizer.py reads the vocabulary from
-.venv/llama-cpp/ and fails, naming this script, if it is absent.
+Two things, neither committed (data/ has a 10 MB budget, and one is a program, not data):
 
-Run again, it does nothing once the file is there with the right hash. Standard library and pip only:
+- ggml-vocab-qwen35.gguf, llama.cpp's Qwen3.5 test vocabulary (5.9 MB; 1.3 MB with xz -9e), read
+  by tests/text/test_qwen35_tokenizer.py; its own sha256 is checked too. The test texts and ids
+  (.inp, .out) are small and are in data/llama-cpp-vocab/.
+- llama.cpp's Hugging Face to GGUF converter (convert_hf_to_gguf.py, its conversion/ package and
+  gguf-py/), unpacked under .venv/llama-cpp/llama.cpp/, which tests/weights/test_hybrid_gguf.py
+  runs on the tiny Qwen3.5 checkpoint so that minillm's qwen35 loader (appendix A5) is checked
+  against what llama.cpp really writes.
+
+`make test` runs this script (through the Makefile's .venv/.dev target). It downloads the same pinned
+source distribution the files in data/llama-cpp-vocab/ come from (llama-cpp-python 0.3.36, which
+vendors llama.cpp at 0c1e57098) and checks its sha256 before extracting anything. The tests fail,
+naming this script, if what they need is absent.
+
+Run again, it does nothing once everything is there. Standard library and pip only:
 
     .venv/bin/python tools/fetch_llama_cpp_vocab.py
 """
@@ -29,6 +36,9 @@ SDIST_PIP = "llama-cpp-python==0.3.36"
 SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 MEMBER_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/"
+LLAMA_CPP_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # under LLAMA_CPP_DIR: the converter and its package
+CONVERTER_STAMP = "llama.cpp/.sdist-sha256"  # written last: the converter is complete, from this sdist
 FILES = {  # name under MEMBER_DIR -> sha256 of the file (data/llama-cpp-vocab/README.md lists it too)
     "ggml-vocab-qwen35.gguf": "63ed952ff338996cf0bdf24a7b10015124273f75c6dc9bb427356aa3f67ec62c",
 }
@@ -43,8 +53,10 @@ def sha256(path: Path) -> str:
 
 
 def present(dest: Path) -> bool:
-    """Every file is in `dest` with its pinned hash."""
-    return all((dest / name).is_file() and sha256(dest / name) == digest for name, digest in FILES.items())
+    """Every file is in `dest` with its pinned hash, and the converter was unpacked from the pinned sdist."""
+    stamp = dest / CONVERTER_STAMP
+    converter = stamp.is_file() and stamp.read_text().strip() == SDIST_SHA256
+    return converter and all((dest / name).is_file() and sha256(dest / name) == digest for name, digest in FILES.items())
 
 
 def download_sdist(folder: Path) -> Path:
@@ -76,6 +88,23 @@ def extract(sdist: Path, dest: Path) -> None:
                 part.unlink()
                 raise SystemExit(f"{sdist}: {member.name} has sha256 {sha256(part)}, expected {digest}")
             part.replace(dest / name)
+        extract_converter(tar, sdist, dest / "llama.cpp")
+
+
+def extract_converter(tar: tarfile.TarFile, sdist: Path, folder: Path) -> None:
+    """The converter's regular files (the sdist's hash vouches for them), no links, nothing outside `folder`."""
+    members = [m for m in tar.getmembers() if m.name.startswith(LLAMA_CPP_DIR)
+               and m.name[len(LLAMA_CPP_DIR):].startswith(CONVERTER) and m.isfile()]
+    if not any(m.name == LLAMA_CPP_DIR + CONVERTER[0] for m in members):
+        raise SystemExit(f"{sdist}: no {LLAMA_CPP_DIR + CONVERTER[0]}")
+    for member in members:
+        target = (folder / member.name[len(LLAMA_CPP_DIR):]).resolve()
+        if not target.is_relative_to(folder.resolve()):
+            raise SystemExit(f"{sdist}: {member.name} points outside {folder}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tar.extractfile(member) as src:  # type: ignore[union-attr]
+            target.write_bytes(src.read())
+    (folder / ".sdist-sha256").write_text(SDIST_SHA256 + "\n")
 
 
 def main() -> None:
@@ -84,14 +113,14 @@ def main() -> None:
     parser.add_argument("--dest", type=Path, default=DEST, help=f"where the files go (default {DEST})")
     args = parser.parse_args()
     if present(args.dest):
-        print(f"llama.cpp vocabularies: already in {args.dest}")
+        print(f"llama.cpp's test files: already in {args.dest}")
         return
     if args.sdist is not None:
         extract(args.sdist, args.dest)
     else:
         with tempfile.TemporaryDirectory() as tmp:  # the 77 MB sdist is not kept
             extract(download_sdist(Path(tmp)), args.dest)
-    print(f"llama.cpp vocabularies: {', '.join(FILES)} in {args.dest}")
+    print(f"llama.cpp's test files: {', '.join(FILES)} and the converter in {args.dest}")
 
 
 if __name__ == "__main__":
