@@ -178,8 +178,8 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
 
     After the set-up (`cache_factory` makes the cache; a hybrid model's: notebook 22): prefill the prompt
     into `cache` at position 0, then until `text_stream.push` gives a finish reason, sample (after
-    `apply_constraints` for a `constraint`), push the token, decode it at its position. Metrics: `generation_metrics` of `synchronized_time(device)` at the start, after the
-    prefill, at the first token and at the end."""
+    `apply_constraints` for a `constraint`), push the token, decode it at its position. Metrics:
+    `generation_metrics` of `synchronized_time(device)` at the start, the prefill, the first token, the end."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
     prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size, params)
