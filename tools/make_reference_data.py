@@ -3,6 +3,9 @@
     .venv/bin/python tools/make_reference_data.py            # everything
     .venv/bin/python tools/make_reference_data.py --only tiny-llama
 
+With OMP_NUM_THREADS=1 it rewrites the stored files byte for byte; more threads sum in another
+order and may move a stored logit in its last bits (6e-6 on qwen3_5-tiny).
+
 For each tiny random checkpoint (data/tiny-*/, and Qwen3.5's data/qwen3_5-tiny/):
   config.json, model.safetensors   Hugging Face layout, config in the hub's classic format
   reference.safetensors            input_ids_i (T,), logits_i (T, V) fp32, greedy_i (32,)
@@ -234,43 +237,58 @@ def greedy(model, input_ids: torch.Tensor, n: int) -> tuple[list[int], float]:
     return out, margin
 
 
-def build_tiny(name: str, hub_config: dict, seed: int) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def empty_folder(name: str) -> Path:
+    """data/<name>, emptied (or made)."""
     folder = DATA / name
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    config = AutoConfig.for_model(**{k: v for k, v in hub_config.items() if k != "architectures"})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    spread_init(model, torch.Generator().manual_seed(seed))
+    return folder
+
+
+def save_checkpoint(model, folder: Path, hub_config: dict) -> None:
+    """model.safetensors as transformers writes it, and config.json in the hub's format (no other file)."""
     model.save_pretrained(folder, safe_serialization=True)
     for extra in folder.iterdir():
         if extra.name not in ("config.json", "model.safetensors"):
             extra.unlink()
-    # config.json in the hub's classic format (rope_theta at top level, as in
-    # Qwen/Qwen2.5-0.5B-Instruct), which is what users download.
     (folder / "config.json").write_text(json.dumps(hub_config, indent=2, sort_keys=True) + "\n")
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    tensors, sequences = reference_sequences(model, hub_config["vocab_size"], SEQUENCE_LENGTHS, gen)
+
+def save_reference(model, folder: Path, hub_config: dict, seed: int, vocab_size: int, lengths, **notes) -> None:
+    """reference.safetensors and reference.json of `model` (reloaded from `folder`): random prompts of
+    `lengths`, their logits and greedy continuations; `notes` are extra keys of reference.json."""
+    tensors, sequences = reference_sequences(model, vocab_size, lengths, torch.Generator().manual_seed(seed + 1))
     save_file(tensors, folder / "reference.safetensors")
     meta = {
-        "model": name,
+        "model": folder.name,
         "architecture": hub_config["architectures"][0],
         "seed": seed,
         "versions": versions(),
         "attn_implementation": "eager",
         "dtype": "float32",
+        **notes,
         "greedy_tokens": GREEDY_TOKENS,
         "greedy_method": "argmax of a full recompute per step, eos ignored",
         "sequences": sequences,
     }
     (folder / "reference.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"{name}: logits std per position {[s['logits_std'] for s in sequences]}")
+    print(f"{folder.name}: logits std per position {[s['logits_std'] for s in sequences]}")
+
+
+def build_tiny(name: str, hub_config: dict, seed: int) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = empty_folder(name)
+    config = AutoConfig.for_model(**{k: v for k, v in hub_config.items() if k != "architectures"})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    spread_init(model, torch.Generator().manual_seed(seed))
+    # config.json in the hub's classic format (rope_theta at top level, as in
+    # Qwen/Qwen2.5-0.5B-Instruct), which is what users download.
+    save_checkpoint(model, folder, hub_config)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    save_reference(model, folder, hub_config, seed, hub_config["vocab_size"], SEQUENCE_LENGTHS)
 
 
 def reference_sequences(model, vocab_size: int, lengths, gen: torch.Generator) -> tuple[dict, list]:
@@ -292,45 +310,19 @@ def reference_sequences(model, vocab_size: int, lengths, gen: torch.Generator) -
 
 
 def build_tiny_qwen3_5(name: str, hub_config: dict, seed: int) -> None:
-    """A tiny Qwen3.5 in the hub's layout, checked by reloading it as a user would (from the folder)."""
-    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+    """A tiny Qwen3.5 in the hub's layout (Qwen3_5ForConditionalGeneration), checked by reloading it
+    as a user would (from the folder)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    folder = DATA / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    fields = {k: v for k, v in hub_config.items() if k != "architectures"}
-    conditional = hub_config["architectures"][0] == "Qwen3_5ForConditionalGeneration"
-    config = Qwen3_5Config(**fields) if conditional else Qwen3_5TextConfig(**fields)
+    folder = empty_folder(name)
     torch.manual_seed(seed)
-    cls = Qwen3_5ForConditionalGeneration if conditional else Qwen3_5ForCausalLM
-    model = cls(config).to(torch.float32)
+    config = Qwen3_5Config(**{k: v for k, v in hub_config.items() if k != "architectures"})
+    model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
     spread_init(model, torch.Generator().manual_seed(seed), zero_centred=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    for extra in folder.iterdir():
-        if extra.name not in ("config.json", "model.safetensors"):
-            extra.unlink()
-    (folder / "config.json").write_text(json.dumps(hub_config, indent=2, sort_keys=True) + "\n")
-
-    model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    text = hub_config.get("text_config", hub_config)
-    tensors, sequences = reference_sequences(model, text["vocab_size"], QWEN3_5_LENGTHS,
-                                             torch.Generator().manual_seed(seed + 1))
-    save_file(tensors, folder / "reference.safetensors")
-    meta = {
-        "model": name,
-        "architecture": hub_config["architectures"][0],
-        "seed": seed,
-        "versions": versions(),
-        "attn_implementation": "eager",
-        "dtype": "float32",
-        "linear_attention": "transformers' torch_chunk_gated_delta_rule (chunks of 64), no cache",
-        "greedy_tokens": GREEDY_TOKENS,
-        "greedy_method": "argmax of a full recompute per step, eos ignored",
-        "sequences": sequences,
-    }
-    (folder / "reference.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"{name}: logits std per position {[s['logits_std'] for s in sequences]}")
+    save_checkpoint(model, folder, hub_config)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    save_reference(model.eval(), folder, hub_config, seed, hub_config["text_config"]["vocab_size"], QWEN3_5_LENGTHS,
+                   linear_attention="transformers' torch_chunk_gated_delta_rule (chunks of 64), no cache")
 
 
 def build_smollm2() -> None:
