@@ -95,14 +95,14 @@ from minillm.bench.engine import engine_rows
 from minillm.bench.lora import lora_rows
 from minillm.bench.paged import paged_rows
 from minillm.bench.qwen3_5 import qwen3_5_rows
-from minillm.bench.peers import compile_cache_per_kernels, llamacpp_runner, machine, transformers_runner
+from minillm.bench.peers import (compile_cache_per_kernels, llamacpp_runner, machine, measure, minillm_runner,
+                                 transformers_runner)
 from minillm.bench.serve import add_serve_flags, serve_rows
 from minillm.bench.speculative import speculative_rows
 from minillm.bench.tp import tp_rows
 from minillm.model.devices import peak_memory_mib
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.speed.fast import FastCausalLM
-from minillm.runtime.generate import generate
 from minillm.speed.quant import quantize_model
 from minillm.bench.roofline import ceiling_fraction, ceilings, own_ceiling, weight_mib
 from minillm.text.tokenizer import Tokenizer
@@ -195,29 +195,6 @@ def prompt_ids(tokenizer, n: int, vocab: int) -> list[int]:
         rng = random.Random(n)
         return [rng.randrange(3, vocab) for _ in range(n)]
     return (ids * (n // len(ids) + 1))[:n]
-
-
-def minillm_runner(model, tokenizer):
-    def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
-        t0 = time.perf_counter()
-        out = generate(model, tokenizer, prompt, max_new_tokens=n, eos_token_ids=())
-        return time.perf_counter() - t0, out.token_ids
-    return run
-
-
-def measure(run, prompts: dict[int, list[int]], tokens: int | None, repeats: int) -> dict:
-    """{"ttft_s": {L: best seconds for 1 token}, "decode_tok_s", "decode_ids"} for one side.
-
-    Decode uses the shortest prompt; tokens=None skips it (prefill only)."""
-    run(prompts[min(prompts)][:4], 2)  # warm-up (and torch.compile's first compile)
-    ttft = {L: min(run(p, 1)[0] for _ in range(repeats)) for L, p in prompts.items()}
-    result = {"ttft_s": ttft, "decode_tok_s": None, "decode_ids": None}
-    if tokens:
-        runs = [run(prompts[min(prompts)], tokens) for _ in range(repeats)]
-        seconds, ids = min(runs, key=lambda r: r[0])
-        result["decode_tok_s"] = (tokens - 1) / max(seconds - ttft[min(prompts)], 1e-9)
-        result["decode_ids"] = ids
-    return result
 
 
 # ---------------------------------------------------------------- the run

@@ -1,8 +1,8 @@
 """The benchmark's peers and the machine they ran on (plumbing, not a lesson).
 
-Each peer is a runner with minillm's signature, run(prompt ids, n) -> (seconds, n generated ids):
-greedy, exactly n tokens (end-of-sequence does not stop it), so `bench.measure` times every side
-the same way: decode tok/s = (n - 1) / (t(n) - t(1)).
+Each peer is a runner with minillm's signature (`minillm_runner`), run(prompt ids, n) -> (seconds,
+n generated ids): greedy, exactly n tokens (end-of-sequence does not stop it), so `measure` times
+every side the same way: decode tok/s = (n - 1) / (t(n) - t(1)).
 
 - transformers: its public greedy `generate` (also with prompt lookup, for the speculative section).
 - llama.cpp: llama-cpp-python on the same GGUF file, the same threads, its own greedy argmax over the
@@ -24,11 +24,38 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minillm.runtime.generate import generate
 from minillm.speed.cpu_kernel import cpu_flags
 
 LLAMA_CPP_INSTALL = ('pip install llama-cpp-python (builds llama.cpp, 4-10 minutes; where AMX is advertised but '
                      'forbidden, the native build crashes: set CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON '
                      '-DGGML_FMA=ON -DGGML_F16C=ON", plus -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON on AVX-512 CPUs)')
+
+
+def minillm_runner(model, tokenizer, **generate_kwargs):
+    """minillm's greedy generate of exactly n tokens (generate_kwargs: e.g. a hybrid's cache_factory)."""
+    def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
+        t0 = time.perf_counter()
+        out = generate(model, tokenizer, prompt, max_new_tokens=n, eos_token_ids=(), **generate_kwargs)
+        return time.perf_counter() - t0, out.token_ids
+    return run
+
+
+def measure(run, prompts: dict[int, list[int]], tokens: int | None, repeats: int) -> dict:
+    """{"ttft_s": {L: best seconds for 1 token}, "generate_s", "decode_tok_s", "decode_ids"} for one side.
+
+    Decode uses the shortest prompt (generate_s: its best time for `tokens`); tokens=None skips it
+    (prefill only)."""
+    run(prompts[min(prompts)][:4], 2)  # warm-up (and torch.compile's first compile)
+    ttft = {L: min(run(p, 1)[0] for _ in range(repeats)) for L, p in prompts.items()}
+    result = {"ttft_s": ttft, "generate_s": None, "decode_tok_s": None, "decode_ids": None}
+    if tokens:
+        runs = [run(prompts[min(prompts)], tokens) for _ in range(repeats)]
+        seconds, ids = min(runs, key=lambda r: r[0])
+        result["generate_s"] = seconds
+        result["decode_tok_s"] = (tokens - 1) / max(seconds - ttft[min(prompts)], 1e-9)
+        result["decode_ids"] = ids
+    return result
 
 
 def transformers_runner(hf, **generate_kwargs):

@@ -25,7 +25,7 @@ minillm's HybridCausalLM, the only minillm model that takes a hybrid yet):
   --repeats after a warm-up.
 - time to first token (ms) and prefill (tok/s) at each of --prompt-lengths (default 1024 4096):
   the best of --repeats calls of 1 new token; prefill tok/s = prompt tokens / that time.
-- decode (tok/s): (tokens - 1) / (t(tokens) - t(1 token)) on the decode prompt, as cli.measure;
+- decode (tok/s): (tokens - 1) / (t(tokens) - t(1 token)) on the decode prompt, as peers.measure;
   greedy agreement: leading tokens equal to transformers'; distinct tokens: how many different ids
   each side generated (a random model that repeats one token agrees trivially: this says if not).
 - cache after prefill (MiB, n = the decode prompt): the bytes of every tensor in each side's cache
@@ -42,17 +42,15 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import random
-import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from minillm.bench.peers import transformers_runner
+from minillm.bench.peers import measure, minillm_runner, transformers_runner
 from minillm.cache.dense import kv_cache_bytes
 from minillm.cache.hybrid import hybrid_cache_bytes, linear_state_bytes, make_hybrid_cache
 from minillm.model.decoder import ModelConfig
 from minillm.model.qwen3_5 import HybridCausalLM, HybridConfig
-from minillm.runtime.generate import generate
 
 SEED = 0
 ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
@@ -105,12 +103,9 @@ def leading_agreement(ours: list[int], theirs: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
-def minillm_runner(model: HybridCausalLM):
-    def run(prompt: list[int], n: int) -> tuple[float, list[int]]:
-        t0 = time.perf_counter()
-        out = generate(model, IdsOnly(), prompt, max_new_tokens=n, eos_token_ids=(), cache_factory=make_hybrid_cache)
-        return time.perf_counter() - t0, out.token_ids
-    return run
+def hybrid_runner(model: HybridCausalLM):
+    """The shared minillm runner, decoding with the hybrid cache and no text."""
+    return minillm_runner(model, IdsOnly(), cache_factory=make_hybrid_cache)
 
 
 def fresh_first_generate(side: str, shape: dict, dtype: str, prompt: list[int], tokens: int, hf_classes) -> float:
@@ -123,18 +118,8 @@ def fresh_first_generate(side: str, shape: dict, dtype: str, prompt: list[int], 
 def _first_generate(side, shape, dtype, threads, prompt, tokens, hf_classes) -> float:  # in the fresh process
     torch.set_num_threads(threads)
     ours, hf = build_pair(shape, getattr(torch, dtype), hf_classes)
-    run = minillm_runner(ours) if side == "minillm" else transformers_runner(hf, eos_token_id=None)
+    run = hybrid_runner(ours) if side == "minillm" else transformers_runner(hf, eos_token_id=None)
     return run(prompt, tokens)[0]
-
-
-def measure(run, prompts: dict[int, list[int]], tokens: int, repeats: int) -> dict:
-    """One side, warmed: {"ttft_s": {L: best seconds of 1 token}, "generate_s", "decode_tok_s", "decode_ids"}."""
-    decode_prompt = prompts[min(prompts)]
-    run(decode_prompt[:4], 2)  # warm-up
-    ttft = {L: min(run(p, 1)[0] for _ in range(repeats)) for L, p in prompts.items()}
-    seconds, ids = min((run(decode_prompt, tokens) for _ in range(repeats)), key=lambda r: r[0])
-    return {"ttft_s": ttft, "generate_s": seconds, "decode_ids": ids,
-            "decode_tok_s": (tokens - 1) / max(seconds - ttft[min(prompts)], 1e-9)}
 
 
 def tensor_bytes(obj, seen: set | None = None) -> int:
@@ -200,7 +185,7 @@ def qwen3_5_rows(args, row, hf_classes) -> str:
     ours, hf = build_pair(shape, dtype, hf_classes)
     config = ours.config
     prompts = {L: prompt_ids(L, config.vocab_size) for L in lengths}
-    sides = {"transformers": transformers_runner(hf, eos_token_id=None), "minillm": minillm_runner(ours)}
+    sides = {"transformers": transformers_runner(hf, eos_token_id=None), "minillm": hybrid_runner(ours)}
     first = {side: fresh_first_generate(side, shape, args.dtype, prompts[lengths[0]], tokens, hf_classes)
              for side in sides}
     theirs, mine = (measure(sides[side], prompts, tokens, args.repeats) for side in ("transformers", "minillm"))
