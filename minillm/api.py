@@ -34,7 +34,8 @@ from minillm.text.constrained import Constraints
 from minillm.text.tool_calls import call_format, encode_with_tools, parse_tool_calls, validate_tools
 from minillm.utils.validate import is_int
 from minillm.weights.embedded import embedded_gguf_path
-from minillm.weights.hybrid import hybrid_folder, load_hybrid_folder
+from minillm.weights.hub import REPO_ID, download
+from minillm.weights.hybrid import is_hybrid_folder, load_hybrid_folder
 from minillm.weights.hybrid_gguf import is_hybrid_gguf, load_hybrid_gguf
 from minillm.weights.loading import gguf_architecture, load_model
 from minillm.weights.lora import merge_adapter, read_adapter
@@ -112,30 +113,32 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     tensor_parallel (notebook 21): N, in each of the N processes torchrun starts: this rank's shard."""
     _validate_options(quantize, group_size, fast, compile, lora, tensor_parallel)  # before any work (Plumbing, below)
     source = embedded_gguf_path() if model is None else model
+    if Path(source).suffix != ".gguf" and not Path(source).exists() and REPO_ID.fullmatch(str(source)):
+        source = download(source)  # a hub id: fetched (or found in the cache) once, a folder from here on
     path = Path(source)
-    hybrid_gguf = path.suffix == ".gguf" and is_hybrid_gguf(path)  # llama.cpp's qwen35 (A5): the header says
-    hybrid = hybrid_folder(source)  # a Qwen3.5 folder or hub id (notebook 22): its config alone says
-    if hybrid is not None or hybrid_gguf:
+    gguf_file = path.suffix == ".gguf"  # Qwen3.5 (notebook 22, A5): a folder's config or a file's header says
+    hybrid = is_hybrid_gguf(path) if gguf_file else is_hybrid_folder(path)
+    if hybrid:
         _validate_hybrid_options(quantize, fast, lora, tensor_parallel)
     adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    if path.suffix == ".gguf" and not hybrid_gguf:  # the header alone: a model minillm lacks is refused
+    if gguf_file and not hybrid:  # the header alone: a model minillm lacks is refused
         gguf_architecture(path)  # before its tokenizer decodes a vocabulary (Gemma 3: 262,144 tokens)
     if quantize == "gguf":
         _validate_gguf_source(source, device, dtype)
-    tokenizer = load_tokenizer(source) if path.suffix == ".gguf" or path.is_dir() else None  # fails before the weights
+    tokenizer = load_tokenizer(source) if gguf_file or path.is_dir() else None  # fails before the weights
     if tensor_parallel is not None:  # notebook 21: join the ranks, read this rank's slices
         net = load_rank_shard(source, tensor_parallel, dtype, device)
     elif quantize == "gguf":
         net = load_gguf_quantized(path)  # notebook 12: the file's own Q4_0/Q4_1/Q8_0 blocks, never floats
-    elif hybrid is not None or hybrid_gguf:
-        load_hybrid = load_hybrid_folder if hybrid is not None else load_hybrid_gguf
-        net = load_hybrid(hybrid or path, dtype=dtype, device=None if device is None else parse_device(device))
+    elif hybrid:
+        load_hybrid = load_hybrid_gguf if gguf_file else load_hybrid_folder
+        net = load_hybrid(path, dtype=dtype, device=None if device is None else parse_device(device))
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
         net = net if adapter is None else merge_adapter(net, adapter)  # W + B A, then quantize or fast
         net = _weight_options(net, quantize, group_size, fast, compile)  # notebooks 12 and 13
-    return LLM(net, tokenizer if tokenizer is not None else load_tokenizer(source))  # a hub id: cached by now
+    return LLM(net, tokenizer)  # None only for a source no loader above accepts: they raised first
 
 
 QUANTIZE = (*MODES, "gguf")  # notebook 12's modes, and keeping a .gguf file's own blocks

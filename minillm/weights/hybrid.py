@@ -19,7 +19,6 @@ import torch
 from minillm.model.devices import default_dtype, pick_device
 from minillm.model.decoder import read_config_json
 from minillm.model.qwen3_5 import HYBRID_MODEL_TYPES, HybridCausalLM, HybridConfig
-from minillm.weights.hub import REPO_ID, download
 from minillm.weights.loading import _build, open_folder
 
 TEXT_PREFIX = "model.language_model."  # Qwen3_5ForConditionalGeneration's decoder
@@ -70,13 +69,10 @@ def _renamed(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str,
             yield new, tensor
 
 
-def hybrid_folder(source: str | Path) -> Path | None:
-    """The folder of a Qwen3.5 model source (a model folder, or a hub id, fetched into the cache), or None
-    for any other source: its config.json's model_type alone decides, before a weight is read."""
-    path = Path(source)
-    if path.suffix != ".gguf" and not path.exists() and isinstance(source, str) and REPO_ID.fullmatch(source):
-        path = download(source)  # the snapshot folder; cached after the first time
-    if not (path.is_dir() and (path / "config.json").is_file()):
-        return None
-    config, _ = read_config_json(path)
-    return path if config.get("model_type") in HYBRID_MODEL_TYPES else None
+def is_hybrid_folder(folder: str | Path) -> bool:
+    """Whether a model folder holds a Qwen3.5: its config.json's model_type alone decides, before a weight is read."""
+    folder = Path(folder)
+    if not (folder.is_dir() and (folder / "config.json").is_file()):
+        return False
+    config, _ = read_config_json(folder)
+    return config.get("model_type") in HYBRID_MODEL_TYPES
