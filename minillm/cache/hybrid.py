@@ -28,7 +28,7 @@ def linear_state_bytes(config: HybridConfig, batch_size: int = 1, dtype: torch.d
     """Bytes of every DeltaNet layer's state for `batch_size` sequences, at any context length:
     the conv state (C x (K-1), in the model's dtype) and the recurrent state (Hv x Dk x Dv, float32)."""
     Hv, Dk, Dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    conv = (2 * config.linear_num_key_heads * Dk + Hv * Dv) * (config.linear_conv_kernel_dim - 1) * dtype.itemsize
+    conv = config.conv_channels * (config.linear_conv_kernel_dim - 1) * dtype.itemsize
     recurrent = Hv * Dk * Dv * 4
     return config.layer_types.count("linear_attention") * (conv + recurrent) * batch_size
 

@@ -61,6 +61,11 @@ class HybridConfig(ModelConfig):
         validate_hybrid_config(self)  # layer_types, the linear sizes, the rotated dims (Plumbing)
 
     @property
+    def conv_channels(self) -> int:
+        """C: the DeltaNet's q, k and v channels side by side (2 Hk Dk + Hv Dv), which its short conv mixes."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
     def rotary_dim(self) -> int:
         """R: the dims of each head that RoPE turns (the first R; the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -239,8 +244,8 @@ class LinearState:
     def __init__(self, config: HybridConfig, batch_size: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device | None = None):
         Hv, Dk, Dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-        channels = 2 * config.linear_num_key_heads * Dk + Hv * Dv
-        self.conv = torch.zeros(batch_size, channels, config.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        self.conv = torch.zeros(batch_size, config.conv_channels, config.linear_conv_kernel_dim - 1, dtype=dtype,
+                                device=device)
         self.recurrent = torch.zeros(batch_size, Hv, Dk, Dv, dtype=torch.float32, device=device)  # always fp32
         self.tokens = 0
 
@@ -275,7 +280,7 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
-        channels = 2 * self.key_dim + self.value_dim  # C: q, k and v side by side
+        channels = config.conv_channels  # C: q, k and v side by side
         self.in_proj_qkv = nn.Linear(h, channels, bias=False)
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)  # the output gate
         self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)  # beta, per head: the write's step size
