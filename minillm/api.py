@@ -23,7 +23,9 @@ from minillm.model.devices import parse_device, parse_dtype
 from minillm.model.qwen3_5 import HybridCausalLM
 from minillm.parallel.tensor_parallel import load_rank_shard
 from minillm.runtime import llm as basic
+from minillm.runtime.engine import Engine
 from minillm.runtime.generate import Completion, Step, collect
+from minillm.runtime.hybrid_engine import HybridEngine
 from minillm.runtime.llm import load_tokenizer
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import ModelDrafter, NgramDrafter, int4_drafter
@@ -47,18 +49,18 @@ class LLM(basic.LLM):
     def __init__(self, model: CausalLM, tokenizer):
         super().__init__(model, tokenizer)
         self.constraints = Constraints(tokenizer, model.config.vocab_size)  # compiles response formats on use
-        self.cache_factory = make_hybrid_cache if isinstance(model, HybridCausalLM) else make_cache  # nb 22
+        hybrid = isinstance(model, HybridCausalLM)  # Qwen3.5 (nb 22): a state per sequence beside the KV cache
+        self.cache_factory = make_hybrid_cache if hybrid else make_cache
+        self.engine_class = HybridEngine if hybrid else Engine  # what a server batches it with (nb 17, A6)
 
     def _steps(self, ids, params, speculative=None, response_format=None, **kwargs) -> Iterator[Step]:
         constraint = self.constraints.for_format(response_format)  # None for free text
         if speculative is None:
             return super()._steps(ids, params, constraint=constraint, cache_factory=self.cache_factory, **kwargs)
-        if isinstance(self.model, HybridCausalLM):
-            raise ValueError("speculative decoding rolls back a KV cache; Qwen3.5's states do not roll back yet")
         if constraint is not None:
             raise ValueError("speculative decoding does not take a response_format; pass one or the other")
         return speculative_stream(self.model, self.tokenizer, ids, self.drafter(speculative),
-                                  params=params or SamplingParams(temperature=0), **kwargs)
+                                  params=params or SamplingParams(temperature=0), cache_factory=self.cache_factory, **kwargs)
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, template_name: str | None = None,
              tools: list[dict] | None = None, tool_choice=None, **kwargs) -> Completion:
@@ -76,6 +78,10 @@ def make_drafter(model, speculative):
     """The drafter for speculative decoding (minillm/runtime/speculative.py): "ngram" (prompt lookup),
     "int4" (this model's own int4 fast path, built on each call), another LLM with the same
     tokenizer, or a drafter object as it is. The answer is the model's own either way."""
+    hybrid = isinstance(getattr(speculative, "model", model if speculative == "int4" else None), HybridCausalLM)
+    if hybrid:  # the int4 fast path and a draft model's own cache are built for the decoder only
+        raise ValueError("speculative: a Qwen3.5 drafter (int4, or a Qwen3.5 draft model) is not built yet; "
+                         "use 'ngram' or a decoder-only draft model")
     if speculative == "ngram":
         return NgramDrafter()
     if speculative == "int4":

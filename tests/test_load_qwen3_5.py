@@ -1,6 +1,7 @@
 """Qwen3.5 through the front door: `minillm.load` on a folder and on a hub id (offline, a fake hub),
 checked against transformers' stored logits and greedy tokens; the options built for the plain
-decoder are refused by name, and so is the engine (it pages KV caches only, for now)."""
+decoder are refused by name; speculative decoding rolls its states back after a rejection; the
+OpenAI server batches it with the hybrid engine of appendix A6."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ import json
 import shutil
 import warnings
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import minillm
 from minillm.runtime.engine import Engine
+from minillm.model.qwen3_5 import LinearState
 from minillm.runtime.generate import collect
 from minillm.runtime.llm import load as load_decoder_only
+from minillm.runtime.speculative import SpeculationStats
+from minillm.serve.server import create_app
 from minillm.text.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
-from support import DATA, FakeHub, HYBRID_REL, assert_logits_close
+from support import DATA, FakeHub, HYBRID_REL, assert_logits_close, serving
 
 TINY = DATA / "qwen3_5-tiny"
 REFERENCE = load_file(TINY / "reference.safetensors")
@@ -77,12 +82,70 @@ def test_decoder_options_are_refused_by_name(folder, option):
         load_quietly(folder, **option)
 
 
-def test_speculative_and_the_engine_are_refused(folder):
+class HalfRightDrafter:
+    """Drafts the stored greedy answer's next two tokens, then a wrong one: each round keeps some
+    drafts and rejects the rest, so the states must roll back to the kept ones every time."""
+
+    def __init__(self, prompt: list[int], answer: list[int]):
+        self.text = prompt + answer
+
+    def start(self, max_len: int) -> None:
+        pass
+
+    def propose(self, seen, k, params, generator, prompt_len):
+        right = self.text[len(seen) : len(seen) + 2]
+        return (right + [(self.text[len(seen) + len(right)] + 1) % 320] * (k - len(right)))[:k], None
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "half-right"])
+def test_speculative_decoding_rolls_the_states_back(folder, drafter):
+    """Greedy speculation must give the stored greedy tokens exactly, drafts rejected or not."""
     llm = load_quietly(folder)
-    with pytest.raises(ValueError, match="Qwen3.5's states do not roll back"):
-        llm.generate("hi", speculative="ngram", max_new_tokens=4)
-    with pytest.raises(ValueError, match="linear-attention layers"):
+    ids, answer = REFERENCE["input_ids_3"].tolist(), REFERENCE["greedy_3"].tolist()
+    stats = SpeculationStats()
+    speculative = "ngram" if drafter == "ngram" else HalfRightDrafter(ids, answer + [0] * 8)
+    done = collect(llm._steps(ids, None, speculative=speculative, max_new_tokens=32, eos_token_ids=(), stats=stats))
+    assert done.token_ids == answer
+    assert stats.drafted > stats.accepted > (0 if drafter == "half-right" else -1)  # some kept, some rejected
+
+
+def test_without_the_rollback_the_states_run_ahead(folder, monkeypatch):
+    """A planted bug: restore() does nothing, so after the first rejection the states hold the
+    rejected drafts too, and the next forward is refused (it must continue the state exactly)."""
+    llm = load_quietly(folder)
+    ids, answer = REFERENCE["input_ids_3"].tolist(), REFERENCE["greedy_3"].tolist()
+    monkeypatch.setattr(LinearState, "restore", lambda self, saved: None)
+    with pytest.raises(ValueError, match="must continue it exactly"):
+        collect(llm._steps(ids, None, speculative=HalfRightDrafter(ids, answer + [0] * 8), max_new_tokens=32,
+                           eos_token_ids=()))
+
+
+def test_qwen35_drafters_and_the_plain_engine_are_refused(folder):
+    llm = load_quietly(folder)
+    with pytest.raises(ValueError, match="a Qwen3.5 drafter .* is not built yet"):
+        llm.generate("hi", speculative="int4", max_new_tokens=4)
+    with pytest.raises(ValueError, match="a Qwen3.5 drafter .* is not built yet"):
+        llm.generate("hi", speculative=llm, max_new_tokens=4)
+    with pytest.raises(ValueError, match="linear-attention layers .* its engine is .*HybridEngine"):
         Engine(llm.model, llm.tokenizer, num_blocks=8)
+
+
+def test_the_server_batches_it_with_the_hybrid_engine(folder):
+    """/v1/completions on token ids: the greedy answer of the stored prompt, twice (the second reuses
+    the states saved at its last block boundary), equal to LLM's own loop."""
+    llm = load_quietly(folder)
+    ids = REFERENCE["input_ids_3"].tolist()
+    offline = collect(llm._steps(ids, None, max_new_tokens=32, eos_token_ids=()))
+    assert offline.token_ids == REFERENCE["greedy_3"].tolist()
+    app = create_app(llm, model_name="qwen3.5-tiny", num_blocks=64)
+    assert type(app.state.bridge.engine).__name__ == "HybridEngine"
+    with serving(app) as (_, url), httpx.Client(base_url=url, timeout=60) as http:
+        for _ in range(2):
+            r = http.post("/v1/completions", json={"model": "qwen3.5-tiny", "prompt": ids, "max_tokens": 32,
+                                                   "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == offline.text
+    assert app.state.bridge.engine.manager.hits == 128 // 16
 
 
 def test_notebook_10s_load_names_the_model_type(folder):

@@ -41,6 +41,7 @@ class PackedLayout:
     decode: BatchLayout | DecodeLayout | None  # the decode tokens' own layout (gathered or paged)
     decode_keys: torch.Tensor | None  # (Bd, 1, 1, S) True for a real key of a gathered decode row
     ends: torch.Tensor       # (rows,) the column of each sequence's last token: its logits are kept
+    seq_ids: list            # (rows,) each row's sequence: the chunks', then the decode tokens'
 
 
 def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, pool_blocks: int, device=None,
@@ -67,7 +68,8 @@ def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, 
         positions += [L - 1 for L in lengths]
         ends += range(P, P + len(decode_ids))
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-    return PackedLayout(t(slots), t([positions]), segments, P, decode, decode_keys, t(ends))
+    seq_ids = [s for s, _, _ in chunks] + list(decode_ids)
+    return PackedLayout(t(slots), t([positions]), segments, P, decode, decode_keys, t(ends), seq_ids)
 
 
 class GatheredDecodeView(PagedView):
@@ -117,3 +119,14 @@ class PackedView:
             rows = lambda x: x[0, :, P:, None].transpose(0, 1)
             outs.append(self.decode.attend(rows(q), rows(k), rows(v)).transpose(0, 2))  # (1, H, Bd, D)
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, H, N, D)
+
+
+def packed_views(cache: list, layout: PackedLayout) -> list:
+    """Each layer's view of a packed forward: a PackedView of its KV blocks, unless its cache entry
+    makes its own (`packed_view`: a recurrent state's, as Qwen3.5's DeltaNet layers have)."""
+    return [c.packed_view(layout) if hasattr(c, "packed_view") else PackedView(c, layout) for c in cache]
+
+
+def kv_pool_blocks(cache: list) -> int:
+    """The blocks of the layers' KV pools (every attention layer's alike), the sink included."""
+    return next(c.k.shape[0] for c in cache if hasattr(c, "k"))

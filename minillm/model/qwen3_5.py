@@ -157,9 +157,10 @@ def validate_hybrid_config_dict(cfg: dict, source: str) -> dict:
 
 
 def linear_states(config: HybridConfig, cache: list) -> list[LinearState]:
-    """The cache's entries for the DeltaNet layers, checked to be states (a KV cache there is a mistake)."""
+    """The cache's entries for the DeltaNet layers, checked to be states (a KV cache there is a mistake):
+    LinearStates, or an engine's views that run `convolve` and `delta_rule` per sequence (appendix A6)."""
     states = [entry for entry, t in zip(cache, config.layer_types) if t == "linear_attention"]
-    if not all(isinstance(state, LinearState) for state in states):
+    if not all(hasattr(state, "convolve") and hasattr(state, "delta_rule") for state in states):
         raise ValueError("a hybrid model's cache holds a LinearState for each linear_attention layer: "
                          "make it with minillm.cache.hybrid.make_hybrid_cache")
     return states
@@ -168,6 +169,8 @@ def linear_states(config: HybridConfig, cache: list) -> list[LinearState]:
 def start_states(states: list[LinearState], start_pos: int) -> None:
     """A forward at position 0 starts each DeltaNet state afresh; a later one must continue it exactly."""
     for state in states:
+        if not isinstance(state, LinearState):
+            continue  # an engine's view: each of its sequences keeps its own count (appendix A6)
         if start_pos == 0:
             state.conv.zero_()
             state.recurrent.zero_()
@@ -262,6 +265,13 @@ class LinearState:
 
     def nbytes(self) -> int:
         return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
+
+    def snapshot(self) -> tuple:
+        """A copy to return to: speculative decoding (notebook 19) keeps one before it verifies drafts."""
+        return self.conv.clone(), self.recurrent.clone(), self.tokens
+
+    def restore(self, saved: tuple) -> None:
+        self.conv[:], self.recurrent[:], self.tokens = saved
 
 
 def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):

@@ -25,7 +25,7 @@ from minillm.runtime.generate import apply_constraints
 from minillm.text.constrained import Constraints
 from minillm.runtime.sequence import adapter_index
 from minillm.model.decoder import CausalLM
-from minillm.cache.packed import PackedView, packed_layout
+from minillm.cache.packed import kv_pool_blocks, packed_layout, packed_views
 from minillm.cache.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, validate_attention, decode_layout,
                                            use_paged_attention)
 from minillm.cache.paged import BlockManager, PagedView, batch_layout, cache_computed, make_paged_cache
@@ -187,7 +187,7 @@ def forward_batch(model: CausalLM, cache: list, manager: BlockManager, seqs: lis
     device, seq_ids, T = next(model.parameters()).device, [s.id for s in seqs], max(map(len, new_ids))
     ids = torch.tensor([[0] * (T - len(n)) + n for n in new_ids], device=device)  # (B, T)
     if lengths is None and paged_step(attention, model, manager, seq_ids, T):
-        layout, mask = decode_layout(manager, seq_ids, cache[0].k.shape[0], device), None
+        layout, mask = decode_layout(manager, seq_ids, kv_pool_blocks(cache), device), None
         views = [BlockTableView(c, layout) for c in cache]
     else:
         lengths = lengths or [manager.num_tokens(i) for i in seq_ids]
@@ -230,10 +230,10 @@ def forward_packed(model: CausalLM, cache: list, manager: BlockManager, batch: l
     ids = [t for s, n in chunks for t in s.token_ids[s.num_computed : s.num_computed + n]] + [s.pending for s in decoding]
     paged = bool(decoding) and paged_step(attention, model, manager, [s.id for s in decoding], 1)
     layout = packed_layout(manager, [(s.id, s.num_computed, n) for s, n in chunks], [s.id for s in decoding],
-                           cache[0].k.shape[0], device, paged)
+                           kv_pool_blocks(cache), device, paged)
     keep, rows = prompt_columns(chunks, layout.ends)  # a scored prompt's chunk keeps every column (nb 10)
     logits = model(torch.tensor([ids], device=device), positions=layout.positions,
-                   cache=[PackedView(c, layout) for c in cache], logits_to_keep=keep)  # (1, kept, V)
+                   cache=packed_views(cache, layout), logits_to_keep=keep)  # (1, kept, V)
     return record_prompt_logprobs(chunks, logits[0], rows)  # (rows, V)
 
 
@@ -357,11 +357,7 @@ class EngineCore:
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, max_prefill_tokens: int = 4096,
                  attention: str = "auto", prefill_chunk: int | None = None):
         self.model, self.tokenizer, self.device = model, tokenizer, (param := next(model.parameters())).device
-        if set(getattr(model.config, "layer_types", ["full_attention"])) != {"full_attention"}:  # nb 22's hybrid
-            raise ValueError("the engine pages KV caches only; a model with linear-attention layers (Qwen3.5, "
-                             "notebook 22) keeps a state per sequence: use generate or LLM.chat")
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.cache = make_paged_cache(model.config, num_blocks + 1, block_size, dtype=param.dtype, device=self.device)
+        self.manager, self.cache = self.make_pools(num_blocks, block_size, enable_prefix_caching, param.dtype)
         self.sink_slot = num_blocks * block_size  # the extra block: where padding tokens' keys are written
         self.attention = validate_attention(attention, model.config, param.dtype, self.device)  # decode reads: nb 16
         self.max_prefill_tokens = max_prefill_tokens  # new tokens per packed forward
@@ -369,6 +365,11 @@ class EngineCore:
         self.sequences: dict[int, Sequence] = {}  # unfinished requests only: a finished one is forgotten
         self.finish_reasons: Counter[str] = Counter()  # how requests ended: stop, length, abort, error
         self._ids, self.constraints = itertools.count(), Constraints(tokenizer, model.config.vocab_size)  # nb 14
+
+    def make_pools(self, num_blocks: int, block_size: int, prefix_caching: bool, dtype) -> tuple[BlockManager, list]:
+        """The block manager, and a KV pool per layer with one block more: the sink (below)."""
+        manager = BlockManager(num_blocks, block_size, prefix_caching)
+        return manager, make_paged_cache(self.model.config, num_blocks + 1, block_size, dtype=dtype, device=self.device)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)

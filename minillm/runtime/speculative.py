@@ -132,7 +132,7 @@ def validate_drafter(model, drafter) -> None:
                          f"the model's {model.config.vocab_size}; a drafter must share the tokenizer")
 
 
-def _prepare(model, tokenizer, prompt_ids, drafter, max_new_tokens, stop, eos_token_ids, num_draft):
+def _prepare(model, tokenizer, prompt_ids, drafter, max_new_tokens, stop, eos_token_ids, num_draft, cache_factory=make_cache):
     """stream's checks and set-up -> (prompt ids, text stream, cache length, the model's cache)."""
     if not is_positive_int(num_draft):
         raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
@@ -142,7 +142,7 @@ def _prepare(model, tokenizer, prompt_ids, drafter, max_new_tokens, stop, eos_to
     eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
     text_stream = TextStream(tokenizer, len(prompt_ids), max_new_tokens, context, eos, stop)
     total = min(len(prompt_ids) + max_new_tokens, context)  # the cache never needs more
-    cache = make_cache(model.config, 1, total, dtype=weight.dtype, device=weight.device)
+    cache = cache_factory(model.config, 1, total, dtype=weight.dtype, device=weight.device)
     drafter.start(total)
     return prompt_ids, text_stream, total, cache
 
@@ -163,10 +163,19 @@ def judge(logits, seen, draft, q, params, generator, prompt_len):
 
 
 def _verify(model, cache, seen, draft, q, params, generator, prompt_len):
-    """One forward over the last token and the drafts, then `judge` -> (kept, next token, logprob rows)."""
+    """One forward over the last token and the drafts, then `judge` -> (kept, next token, logprob rows).
+    A recurrent state (Qwen3.5's, notebook 22) cannot forget rejected drafts by position: it is saved
+    before the forward and, after a rejection, restored and run over the kept tokens only."""
     ids = torch.tensor([[seen[-1], *draft]], device=next(model.parameters()).device)  # (1, k+1)
+    states = [entry for entry in cache if hasattr(entry, "snapshot")]
+    saved = [state.snapshot() for state in states]
     logits = model(ids, cache=cache, start_pos=len(seen) - 1)[0]  # (k+1, V)
-    return judge(logits, seen, draft, q, params, generator, prompt_len)
+    kept, token, logp = judge(logits, seen, draft, q, params, generator, prompt_len)
+    if states and kept < len(draft):
+        for state, copy in zip(states, saved):
+            state.restore(copy)
+        model(ids[:, : kept + 1], cache=cache, start_pos=len(seen) - 1, logits_to_keep=1)
+    return kept, token, logp
 
 
 def _round(model, cache, drafter, seen, k, params, generator, prompt_len):
@@ -221,13 +230,15 @@ def top_logprob_pairs(logp: torch.Tensor, n: int | None) -> list[tuple[int, floa
 @torch.no_grad()
 def stream(model, tokenizer, prompt_ids: Sequence[int], drafter, params: SamplingParams = SamplingParams(temperature=0),
            max_new_tokens: int = 256, stop: Sequence[str] = (), eos_token_ids: Sequence[int] | None = None,
-           num_draft: int = 4, adaptive: bool = True, stats: SpeculationStats | None = None) -> Iterator[Step]:
+           num_draft: int = 4, adaptive: bool = True, stats: SpeculationStats | None = None,
+           cache_factory=make_cache) -> Iterator[Step]:
     """generate.stream with a drafter: the same Steps (token ids, text, finish), fewer forwards.
 
-    num_draft: the most tokens drafted per round (adaptive: see next_k); stats, if given, receives the counts."""
+    num_draft: the most tokens drafted per round (adaptive: see next_k); stats, if given, receives the counts;
+    cache_factory: as generate.stream's."""
     prompt_ids, text_stream, total, cache = _prepare(model, tokenizer, prompt_ids, drafter, max_new_tokens, stop,
-                                                     eos_token_ids, num_draft)
-    device = cache[0].k.device
+                                                     eos_token_ids, num_draft, cache_factory)
+    device = next(model.parameters()).device
     generator, stats, k = make_generator(params.seed, device), stats or SpeculationStats(), num_draft
     reset_peak_memory(device)
     start = synchronized_time(device)

@@ -316,12 +316,12 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
                max_num_seqs: int = 64, max_in_flight: int = 128, max_body_bytes: int = 1 << 20,
                api_keys: Iterable[str] = (), max_concurrent_per_key: int | None = None,
                tokens_per_minute: int | None = None, request_timeout: float | None = None,
-               shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=Engine,
+               shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=None,
                lenient: bool = False) -> FastAPI:
     """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine
-    (prefill_chunk: prompt tokens per step, None: whole; engine_class: notebook 21's LeadEngine;
-    lenient: an unknown request field is logged, not refused)."""
-    bridge = EngineBridge(engine_class(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
+    (prefill_chunk: prompt tokens per step, None: whole; lenient: an unknown request field is logged, not refused)."""
+    engine = engine_class or getattr(llm, "engine_class", Engine)  # nb 21's LeadEngine, or the llm's own (A6)
+    bridge = EngineBridge(engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
     bridge.request_timeout = validate_seconds("request_timeout", request_timeout, none_ok=True)
     grace = validate_seconds("shutdown_grace", shutdown_grace)
     context = min(llm.model.config.max_position_embeddings, num_blocks * block_size)
