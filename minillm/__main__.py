@@ -38,6 +38,7 @@ from minillm.serve.ops import read_keys
 from minillm.runtime.speculative import SpeculationStats
 from minillm.runtime.speculative import stream as speculative_stream
 from minillm.runtime.speculative_engine import SpeculativeEngine
+from minillm.runtime.hybrid_engine import HybridEngine, HybridSpeculativeEngine
 from minillm.parallel.tensor_parallel import RankLost
 from minillm.parallel.lockstep import Control, LeadEngine, follow, read_line
 
@@ -189,6 +190,7 @@ def _print_stream(llm, prompt_ids, args, params, drafter=None, fmt=None) -> tupl
     pieces, metrics, stats = [], None, SpeculationStats()
     limits = dict(params=params, max_new_tokens=args.max_new_tokens, stop=args.stop)
     constraint = llm.constraints.for_format(fmt)  # a fresh one per answer; None for free text
+    limits["cache_factory"] = llm.cache_factory  # Qwen3.5's hybrid cache (notebook 22), else the KV cache
     steps = (stream(llm.model, llm.tokenizer, prompt_ids, constraint=constraint, **limits) if drafter is None else
              speculative_stream(llm.model, llm.tokenizer, prompt_ids, drafter, num_draft=args.num_draft or 4,
                                 stats=stats, **limits))
@@ -277,18 +279,20 @@ def cmd_serve(args) -> int:
           model_name=name, num_blocks=args.num_blocks, max_in_flight=args.max_in_flight, api_keys=keys,
           max_concurrent_per_key=args.max_concurrent_per_key, tokens_per_minute=args.tokens_per_minute,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, prefill_chunk=args.prefill_chunk or None,
-          lenient=args.lenient, **_engine_class(args, control, drafter))
+          lenient=args.lenient, **_engine_class(args, control, drafter, llm))
     if control is not None:
         control.share(None)  # the followers stop
     return 0
 
 
-def _engine_class(args, control, drafter) -> dict:
-    """serve's engine: notebook 17's, rank 0's under --tensor-parallel (nb 21), or speculating (nb 19)."""
+def _engine_class(args, control, drafter, llm) -> dict:
+    """serve's engine: the llm's own (notebook 17's, or A6's for Qwen3.5), rank 0's under --tensor-parallel
+    (nb 21), or speculating (nb 19; A6's for Qwen3.5)."""
     if control is not None:
         return {"engine_class": partial(LeadEngine, control=control)}
     if drafter is not None:
-        return {"engine_class": partial(SpeculativeEngine, drafter=drafter, num_draft=args.num_draft or 4,
+        speculating = HybridSpeculativeEngine if llm.engine_class is HybridEngine else SpeculativeEngine
+        return {"engine_class": partial(speculating, drafter=drafter, num_draft=args.num_draft or 4,
                                         max_batch=args.speculative_max_batch or 2)}
     return {}
 

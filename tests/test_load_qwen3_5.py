@@ -6,6 +6,7 @@ OpenAI server batches it with the hybrid engine of appendix A6."""
 from __future__ import annotations
 
 import json
+from argparse import Namespace
 import shutil
 import warnings
 
@@ -15,10 +16,12 @@ import torch
 from safetensors.torch import load_file
 
 import minillm
+from minillm.__main__ import _drafter, _engine_class, _print_stream
 from minillm.runtime.engine import Engine
 from minillm.model.qwen3_5 import LinearState
 from minillm.runtime.generate import collect
 from minillm.runtime.llm import load as load_decoder_only
+from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import SpeculationStats
 from minillm.serve.server import create_app
 from minillm.text.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
@@ -152,3 +155,16 @@ def test_notebook_10s_load_names_the_model_type(folder):
     """The decoder-only loader of notebook 10 refuses Qwen3.5 by its model_type; minillm.load takes it."""
     with pytest.raises(ValueError, match="model_type 'qwen3_5' is not supported"):
         load_decoder_only(folder, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_the_command_line_streams_it(folder, speculative, capsys):
+    """`python -m minillm generate` streams through the llm's own cache (and drafter): the stored greedy answer."""
+    llm = load_quietly(folder)
+    args = Namespace(max_new_tokens=32, stop=[], num_draft=None, stats=False, speculative=speculative,
+                     speculative_max_batch=None)
+    drafter = _drafter(llm, args) if speculative else None
+    text, _ = _print_stream(llm, REFERENCE["input_ids_3"].tolist(), args, SamplingParams(temperature=0), drafter)
+    assert text == llm.tokenizer.decode(REFERENCE["greedy_3"].tolist())
+    if speculative:
+        assert _engine_class(args, None, drafter, llm)["engine_class"].func.__name__ == "HybridSpeculativeEngine"

@@ -307,7 +307,7 @@ def make_paged_cache(config, num_blocks: int, block_size: int = 16, dtype: torch
     """A PagedKVCache (pool of `num_blocks` blocks) for each of the model's layers."""
     if set(getattr(config, "layer_types", ["full_attention"])) != {"full_attention"}:  # Qwen3.5: notebook 22
         raise ValueError("a model with linear-attention layers (Qwen3.5) keeps a state per sequence beside its "
-                         "KV blocks: its engine is minillm.runtime.hybrid_engine.HybridEngine (it does not speculate yet)")
+                         "KV blocks: its engine is minillm.runtime.hybrid_engine.HybridEngine (or HybridSpeculativeEngine)")
     return [PagedKVCache(num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype, device)
             for _ in range(config.num_hidden_layers)]
 

@@ -20,7 +20,7 @@ import copy
 import torch
 
 from minillm.runtime.engine import Engine, advance
-from minillm.cache.packed import PackedView, packed_layout
+from minillm.cache.packed import kv_pool_blocks, packed_layout, packed_views
 from minillm.cache.paged import BlockManager
 from minillm.runtime.sequence import Output, Sequence
 from minillm.runtime.speculative import SpeculationStats, top_logprob_pairs, validate_drafter, judge, next_k
@@ -79,15 +79,15 @@ def draft_tokens(manager: BlockManager, seq: Sequence, drafter, k: int) -> tuple
 def forward_verify(model, cache: list, manager: BlockManager, decoding: list[Sequence],
                    drafts: list[list[int]]) -> torch.Tensor:
     """One packed forward over every sequence's pending token and drafts -> logits (sum of 1 + k, V)."""
-    device, chunks, ids, keep = cache[0].k.device, [], [], []
+    device, chunks, ids, keep = next(model.parameters()).device, [], [], []
     for seq, draft in zip(decoding, drafts):
         new = 1 + len(draft)
         chunks.append((seq.id, manager.num_tokens(seq.id) - new, new))  # causal after its cached keys
         keep += range(len(ids), len(ids) + new)  # every column's logits, not only the last
         ids += [seq.pending, *draft]
-    layout = packed_layout(manager, chunks, [], cache[0].k.shape[0], device)
+    layout = packed_layout(manager, chunks, [], kv_pool_blocks(cache), device)
     logits = model(torch.tensor([ids], device=device), positions=layout.positions,
-                   cache=[PackedView(c, layout) for c in cache], logits_to_keep=torch.tensor(keep, device=device))
+                   cache=packed_views(cache, layout), logits_to_keep=torch.tensor(keep, device=device))
     return logits[0]  # (1, N, V) -> (N, V)
 
 
@@ -117,6 +117,9 @@ class SpeculativeEngine(Engine):
         self.drafters: dict[int, list] = {}  # id -> [its drafter, its k now], for the last step's speculating
         self.stats = SpeculationStats()
 
+    def verify(self, decoding: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:  # Qwen3.5's adds to it: A6
+        return forward_verify(self.model, self.cache, self.manager, decoding, drafts)
+
     def speculates(self, decoding: list[Sequence]) -> bool:
         """Draft this step? While few decode; never for a constrained (nb 14) or LoRA (nb 20) row."""
         return 0 < len(decoding) <= self.max_batch and not any(s.constraint or s.lora for s in decoding)
@@ -130,7 +133,7 @@ class SpeculativeEngine(Engine):
         self.drafters = {seq.id: drafter_of(self.drafters, self.drafter, self.num_draft, seq) for seq in decoding}
         drafts = [draft_tokens(self.manager, seq, *self.drafters[seq.id]) for seq in decoding]
         outputs = self.run(prefills, [], rejected)  # the prompt chunks (and the block copies drafting made)
-        logits = forward_verify(self.model, self.cache, self.manager, decoding, [d for d, _ in drafts])
+        logits = self.verify(decoding, [d for d, _ in drafts])
         for seq, (draft, q), rows in zip(decoding, drafts, logits.split([1 + len(d) for d, _ in drafts])):
             outs, kept = accept(seq, rows, draft, q)  # (1 + k, V) rows
             self.stats.add_round(len(draft), kept)

@@ -1,5 +1,6 @@
 """Qwen3.5 in the continuous-batching engine (appendix A6): every answer equals a full recompute of
-its sequence, under batching, chunked prefill, forced preemption, n > 1 choices and prefix caching;
+its sequence, under batching, chunked prefill, forced preemption, n > 1 choices, prefix caching and
+speculation (the slots rolled back after rejected drafts);
 a prefix hit goes only as far as a saved state reaches, and the hit rate on a shared system prompt
 is what the saved states allow."""
 
@@ -12,8 +13,10 @@ import torch
 
 from minillm.runtime.engine import Engine
 from minillm.runtime.generate import generate
-from minillm.runtime.hybrid_engine import HybridEngine
+from minillm.runtime import hybrid_engine
+from minillm.runtime.hybrid_engine import HybridEngine, HybridSpeculativeEngine
 from minillm.runtime.sampling import SamplingParams
+from minillm.runtime.speculative import NgramDrafter
 from minillm.cache.hybrid import make_hybrid_cache
 from minillm.cache.state_pool import StatePool
 from minillm.text.tokenizer import Tokenizer
@@ -183,3 +186,47 @@ def test_a_planted_bug_is_caught(model, tok, monkeypatch):
     with pytest.raises(AssertionError, match="differ"):
         assert_full_recompute(model, prompts, answers)
 
+
+
+class KnowsTheAnswers:
+    """Drafts the next two tokens of a known answer, then wrong ones: every round keeps some drafts
+    and rejects others, so the slots must be rolled back to the kept ones each time."""
+
+    def __init__(self, texts: list[list[int]]):
+        self.texts = texts
+
+    def start(self, max_len: int) -> None:
+        pass
+
+    def propose(self, seen, k, params, generator, prompt_len):
+        text = next((t for t in self.texts if t[: len(seen)] == seen), seen) + [3] * (k + 3)  # past a known answer: guesses
+        right = text[len(seen) : len(seen) + 2]
+        return (right + [(text[len(seen) + len(right)] + 1) % 320] * k)[:k], None
+
+
+def speculate(model, tok, prompts, answers, drafter=None):
+    engine = HybridSpeculativeEngine(model, tok, drafter=drafter or KnowsTheAnswers([p + a for p, a in zip(prompts, answers)]),
+                                     max_batch=4)
+    out = engine.generate(prompts, max_new_tokens=[len(a) for a in answers], eos_token_ids=())
+    return engine, [r["token_ids"] for r in out]
+
+
+def test_speculation_rolls_the_slots_back(model, tok):
+    prompts, limits = mixed(3, seed=6)[0], [20, 24, 16]
+    answers = [r["token_ids"] for r in HybridEngine(model, tok).generate(prompts, max_new_tokens=limits, eos_token_ids=())]
+    engine, got = speculate(model, tok, prompts, answers)
+    assert_full_recompute(model, prompts, got)
+    assert engine.stats.drafted > engine.stats.accepted > 0  # drafts kept and drafts rejected
+    assert engine.states.slot_of == {}
+    ngram, got = speculate(model, tok, prompts, answers, NgramDrafter())
+    assert_full_recompute(model, prompts, got)
+
+
+def test_speculation_without_the_rollback_goes_wrong(model, tok, monkeypatch):
+    """A planted bug: the saved slot is not restored, so the states keep the rejected drafts."""
+    prompts, limits = mixed(3, seed=6)[0], [20, 24, 16]
+    answers = [r["token_ids"] for r in HybridEngine(model, tok).generate(prompts, max_new_tokens=limits, eos_token_ids=())]
+    monkeypatch.setattr(hybrid_engine, "restore_slot", lambda states, seq_id, saved: None)
+    _, got = speculate(model, tok, prompts, answers)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_full_recompute(model, prompts, got)
