@@ -50,11 +50,12 @@ def transformers_padded_batch(hf_model, requests, pad_id: int, **generate_kwargs
     return time.perf_counter() - t0
 
 
-def minillm_engine(model, tokenizer, requests, adapters=None) -> float:
-    """Seconds for the engine to run every request; adapters: a LoRA adapter's name per request (notebook 20)."""
+def minillm_engine(model, tokenizer, requests, adapters=None, engine_class=Engine) -> float:
+    """Seconds for the engine to run every request; adapters: a LoRA adapter's name per request (notebook 20);
+    engine_class: Qwen3.5's HybridEngine (appendix A6) for a hybrid model."""
     blocks = pool_blocks(len(p) + m for p, m in requests)  # every request's KV at once
-    engine = Engine(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
-                    enable_prefix_caching=False)
+    engine = engine_class(model, tokenizer, num_blocks=blocks + 8, block_size=16, max_num_seqs=len(requests),
+                          enable_prefix_caching=False)
     t0 = time.perf_counter()
     rids = [engine.add_request(p, None, m, eos_token_ids=(), adapter=a)
             for (p, m), a in zip(requests, adapters or [None] * len(requests))]

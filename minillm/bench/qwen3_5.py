@@ -31,6 +31,14 @@ minillm's HybridCausalLM, the only minillm model that takes a hybrid yet):
 - cache after prefill (MiB, n = the decode prompt): the bytes of every tensor in each side's cache
   after a prefill of n tokens (minillm: make_hybrid_cache for n tokens; transformers: the
   DynamicCache its forward returns, whose conv states keep K columns where minillm keeps K - 1).
+- engine (tok/s, n = the smallest --requests): useful tokens per second of mixed requests through
+  HybridEngine (appendix A6), against transformers' generate on them as one left-padded batch, as
+  the engine section measures notebook 17's engine (minillm/bench/engine.py).
+- shared system prompt (s, n = CHATS): CHATS chats, one after another, each a SYSTEM_TOKENS-token
+  system prompt (the same for all) and USER_TOKENS tokens of its own, REPLY_TOKENS new tokens each:
+  HybridEngine with prefix caching ("prefix cache") and without ("no prefix cache"),
+  against transformers' generate on each chat (it has no prefix cache); prompt blocks reused (%):
+  the block manager's hits / queries in the run with prefix caching (a hit needs a saved state).
 - cache memory (MiB, n = 4096 and 32768, formulas at the run's dtype): minillm's hybrid cache
   (cache.hybrid.hybrid_cache_bytes) and a KV cache for the same shape with attention in every layer
   (cache.dense.kv_cache_bytes), "vs all-attention KV cache" (x) their quotient; state memory: the
@@ -42,15 +50,18 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import random
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+from minillm.bench.engine import minillm_engine, mixed_requests, transformers_padded_batch
 from minillm.bench.peers import measure, minillm_runner, transformers_runner
 from minillm.cache.dense import kv_cache_bytes
 from minillm.cache.hybrid import hybrid_cache_bytes, linear_state_bytes, make_hybrid_cache
 from minillm.model.decoder import ModelConfig
 from minillm.model.qwen3_5 import HybridCausalLM, HybridConfig
+from minillm.runtime.hybrid_engine import HybridEngine
 
 SEED = 0
 ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
@@ -65,6 +76,7 @@ TINY = dict(  # data/qwen3_5-tiny's text_config, at std 0.3 (the module docstrin
     linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=512,
     rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=ROPE, initializer_range=0.3)
 MEMORY_CONTEXTS = (4096, 32768)
+CHATS, SYSTEM_TOKENS, USER_TOKENS, REPLY_TOKENS = 8, 512, 32, 16  # the shared-system-prompt rows
 
 
 class IdsOnly:
@@ -160,6 +172,44 @@ def all_attention(config: HybridConfig) -> ModelConfig:
     return ModelConfig(**(fields | {"model_type": "qwen3"}))
 
 
+def shared_prompt_chats(vocab: int, quick: bool) -> list[list[int]]:
+    """CHATS prompts: one system prompt, then each chat's own tokens (fewer of both with --quick)."""
+    rng = random.Random(SEED)
+    system = [rng.randrange(3, vocab) for _ in range(SYSTEM_TOKENS // (8 if quick else 1))]
+    return [system + [rng.randrange(3, vocab) for _ in range(USER_TOKENS)] for _ in range(CHATS)]
+
+
+def engine_chats(model: HybridCausalLM, chats: list[list[int]], prefix_caching: bool) -> tuple[float, float]:
+    """(seconds, fraction of prompt blocks reused) for HybridEngine answering the chats one after another."""
+    engine = HybridEngine(model, IdsOnly(), num_blocks=pool_blocks_for(chats), enable_prefix_caching=prefix_caching)
+    t0 = time.perf_counter()
+    for chat in chats:
+        engine.generate([chat], max_new_tokens=REPLY_TOKENS, eos_token_ids=())
+    return time.perf_counter() - t0, engine.manager.hits / max(engine.manager.queries, 1)
+
+
+def pool_blocks_for(chats: list[list[int]]) -> int:
+    return sum(-(-(len(c) + REPLY_TOKENS) // 16) for c in chats) + 8
+
+
+def engine_rows(ours: HybridCausalLM, hf, args, row) -> None:
+    """The engine rows (the module docstring): mixed requests, then chats sharing a system prompt."""
+    n, vocab = min(args.requests), ours.config.vocab_size
+    prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
+    requests = mixed_requests(n, vocab, seed=n, prompt_range=prompt_range, new_range=new_range)
+    useful = sum(m for _, m in requests)
+    theirs = useful / transformers_padded_batch(hf, requests, pad_id=0)
+    row("qwen3_5", "readable", "engine", "tok/s", useful / minillm_engine(ours, IdsOnly(), requests, engine_class=HybridEngine),
+        theirs, n=n)
+    chats, hf_run = shared_prompt_chats(vocab, args.quick), transformers_runner(hf, eos_token_id=None)
+    hf_seconds = sum(hf_run(chat, REPLY_TOKENS)[0] for chat in chats)
+    cached, reused = engine_chats(ours, chats, prefix_caching=True)
+    plain, _ = engine_chats(ours, chats, prefix_caching=False)
+    row("qwen3_5", "prefix cache", "shared system prompt", "s", cached, hf_seconds, n=CHATS)
+    row("qwen3_5", "no prefix cache", "shared system prompt", "s", plain, hf_seconds, n=CHATS)
+    row("qwen3_5", "prefix cache", "prompt blocks reused", "%", 100 * reused, n=CHATS)
+
+
 def memory_rows(config: HybridConfig, dtype: torch.dtype, row) -> None:
     """The cache memory rows: formulas, at MEMORY_CONTEXTS tokens, batch 1."""
     mib, dense = 2**-20, all_attention(config)
@@ -198,6 +248,7 @@ def qwen3_5_rows(args, row, hf_classes) -> str:
     a, b = mine["decode_ids"], theirs["decode_ids"]
     row("qwen3_5", "readable", "greedy agreement", "tokens", leading_agreement(a, b), len(b), n=tokens)
     row("qwen3_5", "readable", "distinct tokens", "tokens", len(set(a)), len(set(b)), n=tokens)
+    engine_rows(ours, hf, args, row)
     ours_bytes, hf_bytes = caches_after_prefill(ours, hf, prompts[lengths[0]])
     row("qwen3_5", "readable", "cache after prefill", "MiB", ours_bytes * 2**-20, hf_bytes * 2**-20, n=lengths[0])
     memory_rows(config, dtype, row)

@@ -16,7 +16,8 @@ HF_CLASSES = (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
 MIB = 2**20
 TOKENS = 16
 METRICS = (["first generate", "generate"] + ["time to first token", "prefill"] * 2
-           + ["decode", "greedy agreement", "distinct tokens", "cache after prefill"]
+           + ["decode", "greedy agreement", "distinct tokens"]
+           + ["engine", "shared system prompt", "shared system prompt", "prompt blocks reused", "cache after prefill"]
            + ["cache memory", "cache memory", "vs all-attention KV cache"] * 2 + ["state memory"])
 
 
@@ -53,6 +54,18 @@ def test_speed_rows_are_ratios_of_both_sides(result):
         ttft, prefill = row(result, "time to first token", n), row(result, "prefill", n)
         assert prefill["minillm"] == pytest.approx(n / (ttft["minillm"] / 1e3))
         assert prefill["transformers"] == pytest.approx(n / (ttft["transformers"] / 1e3))
+
+
+def test_engine_rows(result):
+    r = row(result, "engine", 16)  # the smallest --requests: 16 by default
+    assert r["unit"] == "tok/s" and r["minillm"] > 0 and r["ratio"] == pytest.approx(r["minillm"] / r["transformers"])
+    for variant in ("prefix cache", "no prefix cache"):
+        r = row(result, "shared system prompt", bench_qwen3_5.CHATS, variant)
+        assert r["unit"] == "s" and r["ratio"] == pytest.approx(r["transformers"] / r["minillm"])
+    # --quick: 8 chats of a 64-token system prompt and 32 of their own (6 blocks of 16 each); the first saves
+    # its states at 64 (and 80), so each later chat reuses the system prompt's 4 blocks: 7 x 4 of 48
+    reused = row(result, "prompt blocks reused", bench_qwen3_5.CHATS, "prefix cache")
+    assert reused["unit"] == "%" and reused["minillm"] == pytest.approx(100 * 7 * 4 / 48) and reused["transformers"] is None
 
 
 def test_greedy_agreement_is_total_and_not_a_repeated_token(result):
