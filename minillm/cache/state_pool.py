@@ -30,11 +30,11 @@ from minillm.model.qwen3_5 import HybridConfig, LinearState
 
 class StatePool:
     """One DeltaNet layer's states for the engine: a slot per sequence, conv (S, C, K-1) and
-    recurrent (S, Hv, Dk, Dv) as LinearState's, and M snapshot rows of each."""
+    recurrent (S, Hv, Dk, Dv) as LinearState's, and M snapshot rows of each (none until needed)."""
 
-    def __init__(self, states: HybridStates, config: HybridConfig, slots: int, snapshots: int, dtype, device):
+    def __init__(self, states: HybridStates, config: HybridConfig, slots: int, dtype, device):
         self.states = states  # the slot table and plan every DeltaNet layer of the model shares
-        live, saved = LinearState(config, slots, dtype, device), LinearState(config, snapshots, dtype, device)
+        live, saved = LinearState(config, slots, dtype, device), LinearState(config, 0, dtype, device)
         self.conv, self.recurrent = live.conv, live.recurrent
         self.saved_conv, self.saved_recurrent = saved.conv, saved.recurrent
 
@@ -49,6 +49,15 @@ class StatePool:
         more = slots - self.conv.shape[0]
         self.conv = torch.cat([self.conv, self.conv.new_zeros(more, *self.conv.shape[1:])])
         self.recurrent = torch.cat([self.recurrent, self.recurrent.new_zeros(more, *self.recurrent.shape[1:])])
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` snapshot rows, allocated when prefix caching first needs them (doubling, up to
+        the engine's state_snapshots): an engine holds only the rows its prompts have used."""
+        have = self.saved_conv.shape[0]
+        if rows > have:
+            size = min(max(rows, 2 * have), self.states.max_snapshots)
+            self.saved_conv, self.saved_recurrent = (torch.cat([t, t.new_zeros(size - have, *t.shape[1:])])
+                                                     for t in (self.saved_conv, self.saved_recurrent))
 
     def load(self, slot: int, row: int | None) -> None:
         """The slot starts from snapshot `row`, or from zeros (None: a prompt's start)."""
@@ -135,8 +144,8 @@ class HybridStates:
 
     def __init__(self, config: HybridConfig, manager: StateBlockManager, slots: int, snapshots: int,
                  interval: int | None, dtype=torch.float32, device=None):
-        self.manager, self.interval = manager, interval
-        self.pools = [StatePool(self, config, slots, snapshots, dtype, device)
+        self.manager, self.interval, self.max_snapshots = manager, interval, snapshots
+        self.pools = [StatePool(self, config, slots, dtype, device)
                       for kind in config.layer_types if kind == "linear_attention"]
         self.slot_of: dict = {}   # sequence id -> its slot
         self.tokens: dict = {}    # sequence id -> how many of its tokens its slot has absorbed
@@ -203,6 +212,8 @@ def make_plan(states: HybridStates, layout: PackedLayout) -> StatePlan:
     for seq_id in decoding:
         states.tokens[seq_id] += 1
     slots = torch.tensor([states.slot_of[s] for s in decoding], device=layout.slots.device) if decoding else None
+    for pool in states.pools if busy else ():
+        pool.reserve(max(busy) + 1)  # the snapshot rows this forward writes exist
     return StatePlan(segments, layout.prefill_tokens, slots, layout)
 
 
@@ -231,7 +242,7 @@ class SnapshotIndex:
 
     def __init__(self, rows: int):
         self.rows: OrderedDict[int, int] = OrderedDict()
-        self.free = list(range(rows))
+        self.free = list(range(rows - 1, -1, -1))  # row 0 first: the pools allocate rows as they are used
         self.saved = self.restored = 0  # counters: snapshots written, and restored for a prefix hit
 
     def __contains__(self, block_hash) -> bool:

@@ -144,6 +144,8 @@ def test_snapshots_are_bounded_and_the_oldest_go_first(model, tok):
     engine, prompts, answers = shared_prompt_requests(model, tok, state_snapshots=2)
     assert_full_recompute(model, prompts, answers)
     assert len(engine.manager.snapshots.rows) == 2 and engine.manager.snapshots.saved > 2
+    assert engine.states.pools[0].saved_conv.shape[0] == 2  # the rows exist, and no more
+    assert HybridEngine(model, tok).states.pools[0].saved_recurrent.shape[0] == 0  # none before they are needed
     assert engine.manager.hits > 0  # the most recent boundaries stayed
 
 
