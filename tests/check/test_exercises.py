@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from support import ROOT
-from minillm.model import attention, decoder as model, layers, rope, tensor
+from minillm.model import attention, decoder as model, gated_delta, layers, rope, tensor
 from minillm import check
-from minillm.check import model as check_model
+from minillm.check import linear_attention as check_linear_attention, model as check_model
 from minillm.cache import dense as kv_cache, paged as paged_cache, paged_attention
 from minillm.speed import quant
 from minillm.runtime import sampling
@@ -99,6 +99,7 @@ def _calls(ns: dict) -> dict:
         "Split.kv_heads": lambda cls: cls(check_parallel._config(4, 2), 0, 2).kv_heads,
         "Vocabulary.allowed": lambda cls: cls(check_structured._tokenizer(), 3).allowed(
             DFA(check_structured.PATTERNS["a b* }"][0]), 0),
+        "recurrent_gated_delta_rule": lambda f: f(*check_linear_attention._inputs(1, 2, 1, 4, 4, seed=0)),
     }
 
 
@@ -720,6 +721,7 @@ REFERENCE = {
     "decode_bytes": notebook_function("11_roofline", "decode_bytes", check_performance),
     "Split.kv_heads": tensor_parallel.Split,
     "Vocabulary.allowed": constrained.Vocabulary,
+    "recurrent_gated_delta_rule": gated_delta.recurrent_gated_delta_rule,
 }
 
 
@@ -882,6 +884,22 @@ def q4_1_adjacent_nibbles(raw, shape):
     return (d * q + m).reshape(tuple(shape))
 
 
+def _delta_variant(old: str, new: str, label: str):
+    return _variant(gated_delta.recurrent_gated_delta_rule, old, new, label)
+
+
+DELTA_PLANTED = [  # notebook 22's loop, one step changed each
+    ("recurrent_gated_delta_rule", _delta_variant("S = S * g[:, :, t, None, None].exp()", "S = S", "delta_without_decay"),
+     "decay the state first"),
+    ("recurrent_gated_delta_rule", _delta_variant("correction = beta[:, :, t, None] * (v[:, :, t] - predicted)",
+                                                  "correction = v[:, :, t] - predicted", "delta_without_beta"),
+     "scale the error by beta_t"),
+    ("recurrent_gated_delta_rule", _delta_variant("correction = beta[:, :, t, None] * (v[:, :, t] - predicted)",
+                                                  "correction = beta[:, :, t, None] * v[:, :, t]", "running_sum"),
+     "write the error"),
+]
+
+
 PLANTED = [
     ("rms_norm", rms_norm_in_input_dtype, "did you accumulate in fp32?"),
     ("rms_norm", rms_norm_without_eps, "add eps inside the square root"),
@@ -925,6 +943,7 @@ PLANTED = [
     *PERFORMANCE_PLANTED,
     *PARALLEL_PLANTED,
     *STRUCTURED_PLANTED,
+    *DELTA_PLANTED,
 ]
 
 
@@ -1252,6 +1271,7 @@ EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of 
     "h200_crossover_batch": (452, 207, "the activations' bytes"),
     "kv_bytes_per_token_tp4": (check_parallel.kv_bytes_per_token_tp4(),
                                check_parallel.kv_bytes_per_token_tp4(replicate=False), "whole KV heads"),
+    "state_crossover_tokens": (1590, 822, "float32"),
     "allowed_after_twelve": (check_structured.allowed_after_twelve(),
                              check_structured.allowed_after_twelve(maximum=False), "may not pass it"),
 }
@@ -1261,6 +1281,7 @@ MEASURED = {"speedup_16", "text_share"}  # measurements on this machine: test_ex
 def test_every_exploration_has_a_reference():
     assert set(EXPLORE_REFERENCE) == (set(check_explore.EXPLORE) | set(validate_speculative.EXPLORE) | set(check_lora.EXPLORE)
                                       | set(check_parallel.EXPLORE) | set(check_structured.EXPLORE)
+                                      | set(check_linear_attention.EXPLORE)
                                       | set(check_performance.EXPLORE))
     assert MEASURED == set(check_engine.EXPLORE)
     assert set(check.EXPLORE) == set(EXPLORE_REFERENCE) | MEASURED  # one registry
@@ -1273,6 +1294,8 @@ def test_every_exploration_has_a_reference():
 
 def test_exploration_references_are_the_numbers_the_notebooks_print():
     assert check_explore.transpose_copy_bytes() == (0, 1024 * 9 * 64 * 4)
+    # notebook 22: 18 layers x (6144 x 3 x 2 bytes + 16 x 128 x 128 x 4) over 6 layers x 2 x 2 x 256 x 2 bytes a token
+    assert check_linear_attention.state_crossover_tokens() == -(-18 * (6144 * 3 * 2 + 16 * 128 * 128 * 4) // (6 * 2 * 2 * 256 * 2))
     assert check_explore.gqa_saved_bytes_per_token() == 2 * 30 * 64 * 2 * (9 - 3)
     assert check_explore.kv_crossover_tokens() == 80409  # 494,032,768 bf16 parameters / 12 KiB per token
     assert check_explore.int4_bits_per_weight() == 5.0
