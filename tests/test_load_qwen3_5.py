@@ -86,8 +86,8 @@ def test_decoder_options_are_refused_by_name(folder, option):
 
 
 class HalfRightDrafter:
-    """Drafts the stored greedy answer's next two tokens, then a wrong one: each round keeps some
-    drafts and rejects the rest, so the states must roll back to the kept ones every time."""
+    """Drafts the stored greedy answer's next two tokens, then wrong ones: a round of more than two
+    drafts keeps some and rejects the rest, so the states must roll back to the kept ones."""
 
     def __init__(self, prompt: list[int], answer: list[int]):
         self.text = prompt + answer

@@ -191,8 +191,8 @@ def test_a_planted_bug_is_caught(model, tok, monkeypatch):
 
 
 class KnowsTheAnswers:
-    """Drafts the next two tokens of a known answer, then wrong ones: every round keeps some drafts
-    and rejects others, so the slots must be rolled back to the kept ones each time."""
+    """Drafts the next two tokens of a known answer, then wrong ones: a round of more than two drafts
+    keeps some and rejects the rest, so the slots must be rolled back to the kept ones."""
 
     def __init__(self, texts: list[list[int]]):
         self.texts = texts
