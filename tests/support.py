@@ -1,6 +1,7 @@
 """The helpers tests share, in one module: `from support import DATA, assert_logits_close`.
 
-- the paths (ROOT, DATA), the tiny fixtures' names (TINY, and HYBRID for Qwen3.5) and greedy_by_teacher_forcing;
+- the paths (ROOT, DATA), the tiny fixtures' names (TINY, and HYBRID for Qwen3.5), greedy_by_teacher_forcing and
+  KnowsTheAnswers (a drafter that makes speculation reject, for the rollback tests);
 - the suite's one rule for comparing float32 logits (TINY_REL, SMOLLM2_REL, HYBRID_REL, assert_logits_close,
   top2_margin), explained below;
 - FakeHub, a stand-in for the Hugging Face Hub on 127.0.0.1;
@@ -35,6 +36,23 @@ def greedy_by_teacher_forcing(model, prompt: torch.Tensor, tokens: torch.Tensor)
     step-by-step greedy run computes at that step, if the tokens before were the same."""
     logits = model(torch.cat([prompt, tokens])[None])[0]  # (T + n, V)
     return logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+class KnowsTheAnswers:
+    """A drafter (start and propose) for the tiny models' 320 ids: the next two tokens of the known text
+    that `seen` begins, then wrong ones. A round of more than two drafts keeps some and rejects the rest,
+    so a model with states must roll them back to the kept ones."""
+
+    def __init__(self, texts: list[list[int]]):
+        self.texts = texts
+
+    def start(self, max_len: int) -> None:
+        pass
+
+    def propose(self, seen, k, params, generator, prompt_len):
+        text = next((t for t in self.texts if t[: len(seen)] == seen), seen) + [3] * (k + 3)  # past a known answer: guesses
+        right = text[len(seen) : len(seen) + 2]
+        return (right + [(text[len(seen) + len(right)] + 1) % 320] * k)[:k], None
 
 
 # ---------------------------------------------------------------- comparing logits

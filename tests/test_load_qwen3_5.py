@@ -25,7 +25,7 @@ from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import SpeculationStats
 from minillm.serve.server import create_app
 from minillm.text.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
-from support import DATA, FakeHub, HYBRID_REL, assert_logits_close, serving
+from support import DATA, FakeHub, HYBRID_REL, KnowsTheAnswers, assert_logits_close, serving
 
 TINY = DATA / "qwen3_5-tiny"
 REFERENCE = load_file(TINY / "reference.safetensors")
@@ -85,28 +85,13 @@ def test_decoder_options_are_refused_by_name(folder, option):
         load_quietly(folder, **option)
 
 
-class HalfRightDrafter:
-    """Drafts the stored greedy answer's next two tokens, then wrong ones: a round of more than two
-    drafts keeps some and rejects the rest, so the states must roll back to the kept ones."""
-
-    def __init__(self, prompt: list[int], answer: list[int]):
-        self.text = prompt + answer
-
-    def start(self, max_len: int) -> None:
-        pass
-
-    def propose(self, seen, k, params, generator, prompt_len):
-        right = self.text[len(seen) : len(seen) + 2]
-        return (right + [(self.text[len(seen) + len(right)] + 1) % 320] * (k - len(right)))[:k], None
-
-
 @pytest.mark.parametrize("drafter", ["ngram", "half-right"])
 def test_speculative_decoding_rolls_the_states_back(folder, drafter):
     """Greedy speculation must give the stored greedy tokens exactly, drafts rejected or not."""
     llm = load_quietly(folder)
     ids, answer = REFERENCE["input_ids_3"].tolist(), REFERENCE["greedy_3"].tolist()
     stats = SpeculationStats()
-    speculative = "ngram" if drafter == "ngram" else HalfRightDrafter(ids, answer + [0] * 8)
+    speculative = "ngram" if drafter == "ngram" else KnowsTheAnswers([ids + answer])
     done = collect(llm._steps(ids, None, speculative=speculative, max_new_tokens=32, eos_token_ids=(), stats=stats))
     assert done.token_ids == answer
     assert stats.drafted > stats.accepted > (0 if drafter == "half-right" else -1)  # some kept, some rejected
@@ -119,7 +104,7 @@ def test_without_the_rollback_the_states_run_ahead(folder, monkeypatch):
     ids, answer = REFERENCE["input_ids_3"].tolist(), REFERENCE["greedy_3"].tolist()
     monkeypatch.setattr(LinearState, "restore", lambda self, saved: None)
     with pytest.raises(ValueError, match="must continue it exactly"):
-        collect(llm._steps(ids, None, speculative=HalfRightDrafter(ids, answer + [0] * 8), max_new_tokens=32,
+        collect(llm._steps(ids, None, speculative=KnowsTheAnswers([ids + answer]), max_new_tokens=32,
                            eos_token_ids=()))
 
 

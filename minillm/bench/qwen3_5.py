@@ -55,7 +55,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from minillm.bench.engine import minillm_engine, mixed_requests, transformers_padded_batch
+from minillm.bench.engine import minillm_engine, mixed_requests, pool_blocks, transformers_padded_batch
 from minillm.bench.peers import measure, minillm_runner, transformers_runner
 from minillm.cache.dense import kv_cache_bytes
 from minillm.cache.hybrid import hybrid_cache_bytes, linear_state_bytes, make_hybrid_cache
@@ -181,15 +181,12 @@ def shared_prompt_chats(vocab: int, quick: bool) -> list[list[int]]:
 
 def engine_chats(model: HybridCausalLM, chats: list[list[int]], prefix_caching: bool) -> tuple[float, float]:
     """(seconds, fraction of prompt blocks reused) for HybridEngine answering the chats one after another."""
-    engine = HybridEngine(model, IdsOnly(), num_blocks=pool_blocks_for(chats), enable_prefix_caching=prefix_caching)
+    engine = HybridEngine(model, IdsOnly(), num_blocks=pool_blocks(len(c) + REPLY_TOKENS for c in chats) + 8,
+                          enable_prefix_caching=prefix_caching)
     t0 = time.perf_counter()
     for chat in chats:
         engine.generate([chat], max_new_tokens=REPLY_TOKENS, eos_token_ids=())
     return time.perf_counter() - t0, engine.manager.hits / max(engine.manager.queries, 1)
-
-
-def pool_blocks_for(chats: list[list[int]]) -> int:
-    return sum(-(-(len(c) + REPLY_TOKENS) // 16) for c in chats) + 8
 
 
 def engine_rows(ours: HybridCausalLM, hf, args, row) -> None:

@@ -22,7 +22,7 @@ from minillm.cache.state_pool import StatePool
 from minillm.text.tokenizer import Tokenizer
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.weights.hybrid import load_hybrid_folder
-from support import DATA, HYBRID_REL, logits_tolerance, top2_margin
+from support import DATA, HYBRID_REL, KnowsTheAnswers, logits_tolerance, top2_margin
 
 
 @pytest.fixture(scope="module")
@@ -188,22 +188,6 @@ def test_a_planted_bug_is_caught(model, tok, monkeypatch):
     with pytest.raises(AssertionError, match="differ"):
         assert_full_recompute(model, prompts, answers)
 
-
-
-class KnowsTheAnswers:
-    """Drafts the next two tokens of a known answer, then wrong ones: a round of more than two drafts
-    keeps some and rejects the rest, so the slots must be rolled back to the kept ones."""
-
-    def __init__(self, texts: list[list[int]]):
-        self.texts = texts
-
-    def start(self, max_len: int) -> None:
-        pass
-
-    def propose(self, seen, k, params, generator, prompt_len):
-        text = next((t for t in self.texts if t[: len(seen)] == seen), seen) + [3] * (k + 3)  # past a known answer: guesses
-        right = text[len(seen) : len(seen) + 2]
-        return (right + [(text[len(seen) + len(right)] + 1) % 320] * k)[:k], None
 
 
 def speculate(model, tok, prompts, answers, drafter=None):
