@@ -8,7 +8,7 @@
 
 The package is one folder per concept, in layers that import only downward (docs/architecture.md):
 utils, model, weights and cache, text and speed, runtime, parallel, then the front doors: api
-(`load`, `LLM` with every option, from notebooks/23_qwen_end_to_end.ipynb, on notebook 10's
+(`load`, `LLM` with every option, from notebooks/24_qwen_end_to_end.ipynb, on notebook 10's
 minillm/runtime/llm.py), serve, bench, check and the CLI (__main__).
 """
 

@@ -1,8 +1,8 @@
-# Generated from notebooks/23_qwen_end_to_end.ipynb by tools/nbexport.py: edit the notebook, not this file.
+# Generated from notebooks/24_qwen_end_to_end.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
 """The front door: `minillm.load(...)` -> `LLM`, with every option the course builds.
 
-Built in notebooks/23_qwen_end_to_end.ipynb on notebook 10's LLM and load (minillm/runtime/llm.py):
+Built in notebooks/24_qwen_end_to_end.ipynb on notebook 10's LLM and load (minillm/runtime/llm.py):
 the weight options of notebooks 12 (quantize), 13 (fast, compile), 20 (lora) and 21 (tensor_parallel),
 and the answer options of notebooks 14 (response_format, tools) and 19 (speculative). Every option
 is checked before any file is read. Qwen3.5 (notebook 22) loads by its own loader and decodes with

@@ -157,7 +157,7 @@ class Completion:
     finish_reason: str
     metrics: Metrics
     logprobs: list[float] = field(default_factory=list)
-    tool_calls: list[dict] = field(default_factory=list)  # notebook 23's LLM.chat(tools=...), parsed as in 14
+    tool_calls: list[dict] = field(default_factory=list)  # notebook 24's LLM.chat(tools=...), parsed as in 14
 
 
 def apply_constraints(logits: torch.Tensor, constraints: Sequence) -> torch.Tensor:

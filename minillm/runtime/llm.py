@@ -4,7 +4,7 @@
 
 Built in notebooks/10_generate.ipynb on the generation loop. `load` reads the embedded SmolLM2, a
 model folder, a .gguf file or a hub id with the loader of notebook 06 and the tokenizer of notebook
-07. The package's front door, minillm/api.py (notebook 23), extends both with the options of the
+07. The package's front door, minillm/api.py (notebook 24), extends both with the options of the
 later notebooks: quantize, fast, lora, tensor_parallel, response_format, tools, speculative.
 """
 

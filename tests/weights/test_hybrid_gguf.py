@@ -217,7 +217,7 @@ def test_the_multi_token_prediction_layer_is_skipped(gguf_file):
 
 
 def test_minillm_load_takes_a_qwen35_file(gguf_file):
-    """The front door (notebook 23): a qwen35 .gguf gives a HybridCausalLM with its hybrid cache, its
+    """The front door (notebook 24): a qwen35 .gguf gives a HybridCausalLM with its hybrid cache, its
     own tokenizer (pre-tokenizer qwen35), transformers' greedy tokens; decoder options are refused."""
     import minillm
     from minillm.cache.hybrid import make_hybrid_cache
