@@ -40,6 +40,7 @@ from minillm.weights.hub import REPO_ID, download
 from minillm.weights.hybrid import is_hybrid_folder, load_hybrid_folder
 from minillm.weights.hybrid_gguf import is_hybrid_gguf, load_hybrid_gguf
 from minillm.weights.loading import gguf_architecture, load_model
+from minillm.weights.moe import is_moe_folder, load_moe_folder
 from minillm.weights.lora import merge_adapter, read_adapter
 
 
@@ -112,8 +113,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     """An LLM from a hub id, a model folder or a .gguf file; default: the embedded SmolLM2-135M-Instruct.
 
     quantize (notebook 12): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
-    the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks quantized and dequantizes
-    its other tensor types to float32 (CPU).
+    the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks (its other types in float32; CPU).
     fast (notebook 13): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too.
     lora (notebook 20): a PEFT LoRA adapter's folder, merged into the float weights before the options.
     tensor_parallel (notebook 21): N, in each of the N processes torchrun starts: this rank's shard."""
@@ -124,8 +124,9 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     path = Path(source)
     gguf_file = path.suffix == ".gguf"  # Qwen3.5 (notebook 22, A5): a folder's config or a file's header says
     hybrid = is_hybrid_gguf(path) if gguf_file else is_hybrid_folder(path)
-    if hybrid:
-        _validate_hybrid_options(quantize, fast, lora, tensor_parallel)
+    moe = not gguf_file and is_moe_folder(path)  # Qwen3-MoE, Qwen3.5-MoE (notebook 23)
+    if hybrid or moe:
+        _validate_float_only_options(quantize, fast, lora, tensor_parallel, "mixture-of-experts" if moe else "Qwen3.5's hybrid")
     adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if gguf_file and not hybrid:  # the header alone: a model minillm lacks is refused
@@ -137,9 +138,9 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
         net = load_rank_shard(source, tensor_parallel, dtype, device)
     elif quantize == "gguf":
         net = load_gguf_quantized(path)  # notebook 12: the file's own Q4_0/Q4_1/Q8_0 blocks, never floats
-    elif hybrid:
-        load_hybrid = load_hybrid_gguf if gguf_file else load_hybrid_folder
-        net = load_hybrid(path, dtype=dtype, device=None if device is None else parse_device(device))
+    elif hybrid or moe:  # their own loaders (notebooks 22, A5, 23)
+        own_loader = load_moe_folder if moe else load_hybrid_gguf if gguf_file else load_hybrid_folder
+        net = own_loader(path, dtype=dtype, device=None if device is None else parse_device(device))
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
         net = net if adapter is None else merge_adapter(net, adapter)  # W + B A, then quantize or fast
@@ -173,12 +174,13 @@ def _validate_options(quantize: str | None, group_size: int, fast: bool, compile
         raise ValueError("lora= merges an adapter into float weights; quantize='gguf' keeps the file's 4-bit blocks")
 
 
-def _validate_hybrid_options(quantize: str | None, fast: bool, lora, tensor_parallel: int | None) -> None:
-    """Qwen3.5 (notebook 22) runs in float weights, one process: the decoder's weight options are refused."""
+def _validate_float_only_options(quantize: str | None, fast: bool, lora, tensor_parallel: int | None, layers: str) -> None:
+    """Qwen3.5 (notebook 22) and the MoE models (23) run in float weights, one process: the decoder's weight
+    options are refused, naming the `layers` they are not built for."""
     asked = [name for name, on in (("quantize", quantize), ("fast", fast), ("lora", lora is not None),
                                    ("tensor_parallel", tensor_parallel is not None)) if on]
     if asked:
-        raise ValueError(f"{', '.join(asked)}: not built for Qwen3.5's hybrid layers yet; load it without them")
+        raise ValueError(f"{', '.join(asked)}: not built for {layers} layers yet; load it without them")
 
 
 def _validate_gguf_source(source: str | Path, device: str | torch.device | None, dtype: torch.dtype | None) -> None:

@@ -106,6 +106,16 @@ SMOLLM2_REL = 2.5e-4
 HYBRID_REL = 1e-4
 
 
+class ByteTokenizer:
+    """The little generate() needs of a tokenizer: no end token, and bytes for any id."""
+
+    eos_token_ids = ()
+    special_ids = frozenset()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id % 256])
+
+
 def logits_tolerance(reference: torch.Tensor, rel: float = TINY_REL) -> float:
     """The absolute tolerance for logits compared with `reference`: rel x its standard deviation."""
     return rel * float(reference.detach().float().std())

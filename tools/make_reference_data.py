@@ -165,6 +165,49 @@ QWEN3_5_MODELS = {
 }
 QWEN3_5_LENGTHS = (1, 9, 80, 140)
 
+# Mixture of experts (notebook 23), with a vocabulary of 192 to keep data/ small. Qwen3-MoE
+# (transformers' qwen3_moe): Qwen3's attention, and in each of 2 layers a router choosing 3 of 8
+# experts, renormalised (norm_topk_prob, as Qwen3-30B-A3B). Qwen3.5-MoE (qwen3_5_moe): the hybrid
+# of qwen3_5-tiny cut to one DeltaNet and one attention layer, each MoE block with a shared expert
+# behind a sigmoid gate, in the hub's layout (Qwen3_5MoeForConditionalGeneration, a vision tower).
+_MOE = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, vocab_size=192)
+MOE_MODELS = {
+    "qwen3_moe-tiny": dict(
+        _COMMON,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_hidden_layers=2,
+        head_dim=16,
+        intermediate_size=96,  # unused: every layer is sparse
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        attention_dropout=0.0,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        **_MOE,
+    ),
+    "qwen3_5_moe-tiny": dict(
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+        model_type="qwen3_5_moe",
+        tie_word_embeddings=True,
+        text_config=dict(
+            {k: v for k, v in _QWEN3_5_TEXT.items() if k != "intermediate_size"},
+            model_type="qwen3_5_moe_text", tie_word_embeddings=True, num_hidden_layers=2, head_dim=16,
+            layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
+            shared_expert_intermediate_size=32, **_MOE),
+        vision_config=dict(model_type="qwen3_5_moe_vision", depth=1, hidden_size=16, intermediate_size=32,
+                           num_heads=2, out_hidden_size=64, patch_size=2, temporal_patch_size=2,
+                           spatial_merge_size=2, num_position_embeddings=16),
+        image_token_id=188, video_token_id=189, vision_start_token_id=190, vision_end_token_id=191,
+    ),
+}
+MOE_LENGTHS = (1, 9, 80)
+
 SMOLLM2_CHATS = [
     [{"role": "user", "content": "Write a short poem about the sea."}],
     [
@@ -211,8 +254,8 @@ def spread_init(model: torch.nn.Module, generator: torch.Generator, zero_centred
                 p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=generator))
-            elif p.ndim == 2:
-                fan_in = p.shape[1]
+            elif p.ndim in (2, 3):  # a linear weight (out, in), or one per expert (E, out, in)
+                fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=generator) * 1.2 / math.sqrt(fan_in))
             else:
                 raise ValueError(f"spread_init: no rule for parameter {name} {tuple(p.shape)}")
@@ -325,6 +368,29 @@ def build_tiny_qwen3_5(name: str, hub_config: dict, seed: int) -> None:
                    linear_attention="transformers' torch_chunk_gated_delta_rule (chunks of 64), no cache")
 
 
+def build_tiny_moe(name: str, hub_config: dict, seed: int) -> None:
+    """A tiny Qwen3-MoE or Qwen3.5-MoE, checked by reloading it from the folder. transformers holds the
+    experts packed (gate_up_proj (E, 2I, h)) and saves them one tensor each (experts.{e}.gate_proj.weight
+    (I, h), up_proj, down_proj (h, I)), the layout Qwen/Qwen3-30B-A3B ships."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3MoeConfig
+
+    folder = empty_folder(name)
+    torch.manual_seed(seed)
+    settings = {k: v for k, v in hub_config.items() if k != "architectures"}
+    hybrid = hub_config["model_type"] == "qwen3_5_moe"
+    if hybrid:
+        model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**settings)).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**settings), dtype=torch.float32)
+    spread_init(model, torch.Generator().manual_seed(seed), zero_centred=hybrid)
+    save_checkpoint(model, folder, hub_config)  # transformers writes one tensor per expert and projection
+    model_class = Qwen3_5MoeForConditionalGeneration if hybrid else AutoModelForCausalLM
+    model = model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    text = hub_config.get("text_config", hub_config)
+    save_reference(model, folder, hub_config, seed, text["vocab_size"], MOE_LENGTHS,
+                   experts="transformers' eager loop over the experts hit")
+
+
 def build_smollm2() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -391,7 +457,7 @@ def write_manifest() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write minillm's reference data with transformers.")
-    parser.add_argument("--only", choices=[*TINY_MODELS, *QWEN3_5_MODELS, "smollm2"], help="rebuild one fixture")
+    parser.add_argument("--only", choices=[*TINY_MODELS, *QWEN3_5_MODELS, *MOE_MODELS, "smollm2"], help="rebuild one fixture")
     parser.add_argument("--manifest-only", action="store_true", help="only rewrite data/manifest.json")
     args = parser.parse_args()
     if args.manifest_only:
@@ -403,6 +469,9 @@ def main() -> None:
     for i, (name, config) in enumerate(QWEN3_5_MODELS.items()):
         if args.only in (None, name):
             build_tiny_qwen3_5(name, config, SEED + 1000 + 100 * i)
+    for i, (name, config) in enumerate(MOE_MODELS.items()):
+        if args.only in (None, name):
+            build_tiny_moe(name, config, SEED + 2000 + 100 * i)
     if args.only in (None, "smollm2"):
         build_smollm2()
     write_manifest()

@@ -174,17 +174,20 @@ def validate_names_and_shapes(config: ModelConfig, shapes: dict, source: str, mo
 
 
 def _build(config: ModelConfig, shapes: dict, tensors: Iterator, dtype: torch.dtype, device, source: str,
-           model_class=CausalLM) -> CausalLM:
+           model_class=CausalLM, place=dict.get) -> CausalLM:
+    """place(params, name): where a streamed tensor lands, or None to skip it (default: the parameter
+    of that name; notebook 23's experts land one expert's slice of a stacked parameter at a time)."""
     model = validate_names_and_shapes(config, shapes, source, model_class)
     model = model.to(dtype=dtype).to_empty(device=device)  # allocated once, uninitialized
     model.reset_rope()  # to_empty() left inv_freq uninitialised
-    params, copied = model.state_dict(), 0
+    params, written = model.state_dict(), 0
     with torch.no_grad():
         for name, tensor in tensors:
-            if name in params:
-                params[name].copy_(tensor)  # cast and move, one tensor at a time
-                copied += 1
-    assert copied == len(params), "every parameter must have been written"
+            target = place(params, name)
+            if target is not None:
+                target.copy_(tensor)  # cast and move, one tensor at a time
+                written += target.numel()
+    assert written == sum(p.numel() for p in params.values()), "every parameter must have been written"
     return model.eval()
 
 

@@ -25,7 +25,7 @@ from minillm.model.gated_delta import CHUNK_SIZE
 from minillm.model.qwen3_5 import HybridCausalLM, HybridConfig, ZeroCentredRMSNorm
 from minillm.runtime.generate import generate
 from minillm.weights.hybrid import load_hybrid_folder
-from support import DATA, HYBRID_REL, assert_logits_close, logits_tolerance
+from support import DATA, HYBRID_REL, ByteTokenizer, assert_logits_close, logits_tolerance
 
 FOLDER = DATA / "qwen3_5-tiny"
 REF = load_file(FOLDER / "reference.safetensors")
@@ -58,16 +58,6 @@ def test_stored_prompts_are_the_expected_lengths():
 @pytest.mark.parametrize("i", range(4), ids=[f"T{n}" for n in LENGTHS])
 def test_logits_match_transformers(model, i):
     assert_logits_close(logits_of(model, PROMPTS[i]), REF[f"logits_{i}"], msg=f"prompt {i}", rel=HYBRID_REL)
-
-
-class ByteTokenizer:
-    """The little generate() needs of a tokenizer: no end token, and bytes for any id."""
-
-    eos_token_ids = ()
-    special_ids = frozenset()
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return bytes([token_id % 256])
 
 
 @pytest.mark.parametrize("i", range(4), ids=[f"T{n}" for n in LENGTHS])
