@@ -20,6 +20,7 @@ from minillm.cache.dense import make_cache
 from minillm.cache.hybrid import make_hybrid_cache
 from minillm.model.decoder import CausalLM
 from minillm.model.devices import parse_device, parse_dtype
+from minillm.model.moe import MoeConfig
 from minillm.model.qwen3_5 import HybridCausalLM
 from minillm.parallel.tensor_parallel import load_rank_shard
 from minillm.runtime import llm as basic
@@ -41,6 +42,7 @@ from minillm.weights.hybrid import is_hybrid_folder, load_hybrid_folder
 from minillm.weights.hybrid_gguf import is_hybrid_gguf, load_hybrid_gguf
 from minillm.weights.loading import gguf_architecture, load_model
 from minillm.weights.moe import is_moe_folder, load_moe_folder
+from minillm.weights.moe_gguf import is_moe_gguf, load_moe_gguf
 from minillm.weights.lora import merge_adapter, read_adapter
 
 
@@ -83,6 +85,8 @@ def make_drafter(model, speculative):
     if hybrid:  # the int4 fast path and a draft model's own cache are built for the decoder only
         raise ValueError("speculative: a Qwen3.5 drafter (int4, or a Qwen3.5 draft model) is not built yet; "
                          "use 'ngram' or a decoder-only draft model")
+    if speculative == "int4" and isinstance(model.config, MoeConfig):  # notebook 23: no fast path for experts yet
+        raise ValueError("speculative: the 'int4' drafter is the fast path, not built for mixture-of-experts layers yet")
     if speculative == "ngram":
         return NgramDrafter()
     if speculative == "int4":
@@ -124,12 +128,12 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     path = Path(source)
     gguf_file = path.suffix == ".gguf"  # Qwen3.5 (notebook 22, A5): a folder's config or a file's header says
     hybrid = is_hybrid_gguf(path) if gguf_file else is_hybrid_folder(path)
-    moe = not gguf_file and is_moe_folder(path)  # Qwen3-MoE, Qwen3.5-MoE (notebook 23)
+    moe = is_moe_gguf(path) if gguf_file else is_moe_folder(path)  # Qwen3-MoE, Qwen3.5-MoE (notebook 23, A7)
     if hybrid or moe:
         _validate_float_only_options(quantize, fast, lora, tensor_parallel, "mixture-of-experts" if moe else "Qwen3.5's hybrid")
     adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    if gguf_file and not hybrid:  # the header alone: a model minillm lacks is refused
+    if gguf_file and not hybrid and not moe:  # the header alone: a model minillm lacks is refused
         gguf_architecture(path)  # before its tokenizer decodes a vocabulary (Gemma 3: 262,144 tokens)
     if quantize == "gguf":
         _validate_gguf_source(source, device, dtype)
@@ -138,8 +142,9 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
         net = load_rank_shard(source, tensor_parallel, dtype, device)
     elif quantize == "gguf":
         net = load_gguf_quantized(path)  # notebook 12: the file's own Q4_0/Q4_1/Q8_0 blocks, never floats
-    elif hybrid or moe:  # their own loaders (notebooks 22, A5, 23)
-        own_loader = load_moe_folder if moe else load_hybrid_gguf if gguf_file else load_hybrid_folder
+    elif hybrid or moe:  # their own loaders: notebooks 22 and 23 for a folder, appendices A5 and A7 for a .gguf
+        gguf_loader, folder_loader = (load_moe_gguf, load_moe_folder) if moe else (load_hybrid_gguf, load_hybrid_folder)
+        own_loader = gguf_loader if gguf_file else folder_loader
         net = own_loader(path, dtype=dtype, device=None if device is None else parse_device(device))
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))

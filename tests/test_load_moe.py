@@ -93,3 +93,15 @@ def test_the_command_line_streams_it(folder):
                      speculative_max_batch=None)
     text, _ = _print_stream(llm, ref["input_ids_2"].tolist(), args, SamplingParams(temperature=0), None)
     assert text == llm.tokenizer.decode(ref["greedy_2"].tolist())
+
+
+def test_speculative_decoding_by_prompt_lookup_and_int4_refused(folder):
+    """Greedy speculation with the n-gram drafter gives the stored greedy tokens; the int4 drafter (the
+    fast path, not built for experts) is refused by name."""
+    llm, ref = load_quietly(folder), load_file(folder / "reference.safetensors")
+    ids = ref["input_ids_2"].tolist()
+    done = collect(llm._steps(ids, None, speculative="ngram", max_new_tokens=32, eos_token_ids=()))
+    assert done.token_ids == ref["greedy_2"].tolist()
+    refusal = "a Qwen3.5 drafter" if folder.name.startswith("qwen3_5") else "the 'int4' drafter is the fast path, not built for mixture"
+    with pytest.raises(ValueError, match=refusal):
+        collect(llm._steps(ids, None, speculative="int4", max_new_tokens=4, eos_token_ids=()))

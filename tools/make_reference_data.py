@@ -388,7 +388,7 @@ def build_tiny_moe(name: str, hub_config: dict, seed: int) -> None:
     model = model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     text = hub_config.get("text_config", hub_config)
     save_reference(model, folder, hub_config, seed, text["vocab_size"], MOE_LENGTHS,
-                   experts="transformers' eager loop over the experts hit")
+                   experts_implementation=model.config._experts_implementation)
 
 
 def build_smollm2() -> None:

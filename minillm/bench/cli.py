@@ -15,6 +15,7 @@ greedy decoding, end-of-sequence disabled, and the same thread count.
     python -m minillm.bench lora                    # 4 LoRA adapters in one batch vs the base model
     python -m minillm.bench serve --rate 2          # requests arriving over time: latency and goodput
     python -m minillm.bench qwen3_5                 # a Qwen3.5-0.8B-shaped hybrid (random weights); not in `all`
+    python -m minillm.bench moe                     # Qwen3-30B-A3B's MoE layers (random weights); not in `all`
     python -m minillm.bench --model Qwen/Qwen2.5-0.5B-Instruct --threads 2 --json --out bench.json
 
 Variants (minillm side): readable (CausalLM), fast (FastCausalLM), readable-int8/-int4
@@ -51,6 +52,7 @@ How things are measured:
   process at --rate per second and as a burst, against transformers' continuous batching and its
   padded generate; throughput, time to first token and inter-token latency, goodput.
 - qwen3_5: minillm/bench/qwen3_5.py (its docstring), run only when named: a Qwen3.5-0.8B-shaped hybrid, random weights.
+- moe: minillm/bench/moe.py (its docstring), run only when named: Qwen3-30B-A3B's MoE layers, random weights.
 
 JSON schema (--json prints it, --out FILE writes it too):
     {"machine": {"cpu", "cores", "simd", "torch_kernels", "platform"}, "model", "dtype", "threads", "torch", "transformers",
@@ -58,7 +60,7 @@ JSON schema (--json prints it, --out FILE writes it too):
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
      "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"paged"|"speculative"|"lora"|"serve"|"tp"
-               (in this order), or "qwen3_5" alone (its metrics: minillm/bench/qwen3_5.py),
+               (in this order), or "qwen3_5" or "moe" alone (their metrics: minillm/bench/qwen3_5.py, moe.py),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
                "metric": "load time", "build time", "time to first token", "prefill",
                          "decode", "greedy agreement", "weight memory", "transformers footprint",
@@ -93,6 +95,7 @@ from torch import nn
 from minillm.api import load_tokenizer
 from minillm.bench.engine import engine_rows
 from minillm.bench.lora import lora_rows
+from minillm.bench.moe import moe_rows
 from minillm.bench.paged import paged_rows
 from minillm.bench.qwen3_5 import qwen3_5_rows
 from minillm.bench.peers import (compile_cache_per_kernels, llamacpp_runner, machine, measure, minillm_runner,
@@ -219,6 +222,9 @@ def run_benchmark(args) -> dict:
     if what == "qwen3_5":  # a model of its own: nothing of the others' is loaded
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # imported on use: see load_transformers
         return result(args, qwen3_5_rows(args, row, (Qwen3_5TextConfig, Qwen3_5ForCausalLM)), args.dtype, skipped, {}, rows)
+    if what == "moe":  # the same: a model of its own
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        return result(args, moe_rows(args, row, (Qwen3MoeConfig, Qwen3MoeForCausalLM)), args.dtype, skipped, {}, rows)
     sides = load_sides(args)
     config, dtype = sides.model.config, next(sides.model.parameters()).dtype
     context, decode_prompt = config.max_position_embeddings, min(args.prompt_lengths)
@@ -362,7 +368,7 @@ def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     d = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
     add = parser.add_argument
     add("--model", default=d(None), help="a .gguf file, a model folder or a hub id (default: the embedded SmolLM2)")
-    add("--quick", action="store_true", default=d(False), help="the tiny fixture data/tiny-llama (seconds; qwen3_5: its sizes)")
+    add("--quick", action="store_true", default=d(False), help="the tiny fixture data/tiny-llama (seconds; qwen3_5, moe: their sizes)")
     add("--dtype", default=d("float32"), choices=["float32", "bfloat16", "float16"])
     add("--threads", type=positive("--threads"), default=d(None), help="torch threads (default: torch's)")
     add("--json", action="store_true", default=d(False), help="print JSON instead of the table")
@@ -401,18 +407,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "lora": "serving 4 LoRA adapters in one batch vs the base model alone (and transformers + PEFT)",
              "serve": "requests arriving over time: throughput, latency percentiles and goodput",
              "tp": "tensor parallelism over gloo: a decode step at TP 1 and 2, the collectives' share",
-             "qwen3_5": "a Qwen3.5-0.8B-shaped hybrid, random weights (not in all); default --prompt-lengths 1024 4096, --tokens 64"}
+             "qwen3_5": "a Qwen3.5-0.8B-shaped hybrid, random weights (not in all); default --prompt-lengths 1024 4096, --tokens 64",
+             "moe": "Qwen3-30B-A3B's MoE layers, random weights (not in all); default --prompt-lengths 128 512, --tokens 64"}
     for name, text in helps.items():
         add_common(sub.add_parser(name, help=text, description=text), suppress=True)
     args = parser.parse_args(argv)
     args.what = args.what or "all"
     if args.model and args.quick:
         parser.error("--model and --quick exclude each other")
-    if args.tokens is not None and args.tokens < 2 and args.what in ("all", "decode", "qwen3_5"):
+    if args.tokens is not None and args.tokens < 2 and args.what in ("all", "decode", "qwen3_5", "moe"):
         parser.error("argument --tokens: must be at least 2 to time decode")
-    args.tokens = args.tokens or (16 if args.quick else 64 if args.what == "qwen3_5" else 256)
+    args.tokens = args.tokens or (16 if args.quick else 64 if args.what in ("qwen3_5", "moe") else 256)
     args.prompt_lengths = args.prompt_lengths or ([32, 128] if args.quick else [1024, 4096] if args.what == "qwen3_5"
-                                                  else [128, 1024])
+                                                  else [128, 512] if args.what == "moe" else [128, 1024])
     args.variants = list(dict.fromkeys((args.variants or list(VARIANTS)) + (list(COMPILED) if args.compile else [])))
     return args
 

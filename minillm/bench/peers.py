@@ -14,11 +14,14 @@ every side the same way: decode tok/s = (n - 1) / (t(n) - t(1)).
 from __future__ import annotations
 
 import getpass
+import multiprocessing
 import os
 import platform
+import random
 import re
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +72,45 @@ def transformers_runner(hf, **generate_kwargs):
                               **generate_kwargs)
         return time.perf_counter() - t0, out[0, len(prompt):].tolist()
     return run
+
+
+class IdsOnly:
+    """The tokenizer stand-in the generation loop accepts: ids in, no text out (random weights say nothing)."""
+
+    special_ids = frozenset()
+    eos_token_ids = ()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b""
+
+
+def prompt_ids(n: int, vocab: int) -> list[int]:
+    """n seeded random ids (seed n, as cli.prompt_ids for a vocab without text), the same for both sides."""
+    rng = random.Random(n)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def leading_agreement(ours: list[int], theirs: list[int]) -> int:
+    """How many leading tokens are equal."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
+def fresh_first_generate(side: str, build, build_args: tuple, prompt: list[int], tokens: int,
+                         generate_kwargs: dict | None = None) -> float:
+    """Seconds of `side`'s ("minillm" or "transformers") first generate call, in a new Python process:
+    build(*build_args) -> (minillm's model, transformers' model) there, then one timed call. build and
+    generate_kwargs' values must be importable by name (a spawned process unpickles them)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        threads = torch.get_num_threads()
+        return pool.submit(_first_generate, side, build, build_args, threads, prompt, tokens,
+                           generate_kwargs or {}).result()
+
+
+def _first_generate(side, build, build_args, threads, prompt, tokens, generate_kwargs) -> float:  # in the fresh process
+    torch.set_num_threads(threads)
+    ours, hf = build(*build_args)
+    run = minillm_runner(ours, IdsOnly(), **generate_kwargs) if side == "minillm" else transformers_runner(hf, eos_token_id=None)
+    return run(prompt, tokens)[0]
 
 
 def llamacpp_runner(gguf: Path, threads: int, context: int):

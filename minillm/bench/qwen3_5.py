@@ -48,15 +48,14 @@ minillm's HybridCausalLM, the only minillm model that takes a hybrid yet):
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import random
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 from minillm.bench.engine import minillm_engine, mixed_requests, pool_blocks, transformers_padded_batch
-from minillm.bench.peers import measure, minillm_runner, transformers_runner
+from minillm.bench.peers import (IdsOnly, fresh_first_generate, leading_agreement, measure, minillm_runner, prompt_ids,
+                                 transformers_runner)
 from minillm.cache.dense import kv_cache_bytes
 from minillm.cache.hybrid import hybrid_cache_bytes, linear_state_bytes, make_hybrid_cache
 from minillm.model.decoder import ModelConfig
@@ -79,16 +78,6 @@ MEMORY_CONTEXTS = (4096, 32768)
 CHATS, SYSTEM_TOKENS, USER_TOKENS, REPLY_TOKENS = 8, 512, 32, 16  # the shared-system-prompt rows
 
 
-class IdsOnly:
-    """The tokenizer stand-in the generation loop accepts: ids in, no text out (random weights say nothing)."""
-
-    special_ids = frozenset()
-    eos_token_ids = ()
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return b""
-
-
 def build_pair(shape: dict, dtype: torch.dtype, hf_classes) -> tuple[HybridCausalLM, torch.nn.Module]:
     """(minillm's HybridCausalLM, transformers' Qwen3_5ForCausalLM) on one shared copy of seeded random weights.
 
@@ -104,34 +93,9 @@ def build_pair(shape: dict, dtype: torch.dtype, hf_classes) -> tuple[HybridCausa
     return ours.eval(), hf
 
 
-def prompt_ids(n: int, vocab: int) -> list[int]:
-    """n seeded random ids (seed n, as cli.prompt_ids for a vocab without text), the same for both sides."""
-    rng = random.Random(n)
-    return [rng.randrange(3, vocab) for _ in range(n)]
-
-
-def leading_agreement(ours: list[int], theirs: list[int]) -> int:
-    """How many leading tokens are equal."""
-    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-
-
 def hybrid_runner(model: HybridCausalLM):
     """The shared minillm runner, decoding with the hybrid cache and no text."""
     return minillm_runner(model, IdsOnly(), cache_factory=make_hybrid_cache)
-
-
-def fresh_first_generate(side: str, shape: dict, dtype: str, prompt: list[int], tokens: int, hf_classes) -> float:
-    """Seconds of `side`'s ("minillm" or "transformers") first generate call, in a new Python process."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        threads = torch.get_num_threads()
-        return pool.submit(_first_generate, side, shape, dtype, threads, prompt, tokens, hf_classes).result()
-
-
-def _first_generate(side, shape, dtype, threads, prompt, tokens, hf_classes) -> float:  # in the fresh process
-    torch.set_num_threads(threads)
-    ours, hf = build_pair(shape, getattr(torch, dtype), hf_classes)
-    run = hybrid_runner(ours) if side == "minillm" else transformers_runner(hf, eos_token_id=None)
-    return run(prompt, tokens)[0]
 
 
 def tensor_bytes(obj, seen: set | None = None) -> int:
@@ -233,8 +197,8 @@ def qwen3_5_rows(args, row, hf_classes) -> str:
     config = ours.config
     prompts = {L: prompt_ids(L, config.vocab_size) for L in lengths}
     sides = {"transformers": transformers_runner(hf, eos_token_id=None), "minillm": hybrid_runner(ours)}
-    first = {side: fresh_first_generate(side, shape, args.dtype, prompts[lengths[0]], tokens, hf_classes)
-             for side in sides}
+    first = {side: fresh_first_generate(side, build_pair, (shape, dtype, hf_classes), prompts[lengths[0]], tokens,
+                                        {"cache_factory": make_hybrid_cache}) for side in sides}
     theirs, mine = (measure(sides[side], prompts, tokens, args.repeats) for side in ("transformers", "minillm"))
     row("qwen3_5", "readable", "first generate", "s", first["minillm"], first["transformers"], n=tokens)
     row("qwen3_5", "readable", "generate", "s", mine["generate_s"], theirs["generate_s"], n=tokens)

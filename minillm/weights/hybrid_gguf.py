@@ -103,14 +103,16 @@ def hf_tensor(config: HybridConfig, name: str, w: torch.Tensor, source: str = "G
     return w
 
 
-def open_hybrid_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, tuple[int, ...]], list]:
-    """Check a qwen35 GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read."""
+def open_hybrid_gguf(path: str | Path, arch: str = ARCHITECTURE, read_config=None,
+                     to_hf_name=qwen35_to_hf_name) -> tuple[HybridConfig, dict[str, tuple[int, ...]], list]:
+    """Check a qwen35 GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read.
+    arch, read_config(reader, path), to_hf_name(name): Qwen3.5-MoE's (`qwen35moe`, notebook 23)."""
     path = Path(path)
-    if not is_hybrid_gguf(path):  # the header alone, before gguf-py decodes a vocabulary
-        raise WeightsError(f"{path}: general.architecture is not {ARCHITECTURE!r}")
+    if check_gguf_header(path).get("general.architecture") != arch:  # the header alone, before a vocabulary
+        raise WeightsError(f"{path}: general.architecture is not {arch!r}")
     reader = read_gguf(path)
-    config = qwen35_config(reader, path)
-    mtp = range(config.num_hidden_layers, config.num_hidden_layers + _meta(reader, f"{ARCHITECTURE}.nextn_predict_layers", path, 0))
+    config = (read_config or qwen35_config)(reader, path)
+    mtp = range(config.num_hidden_layers, config.num_hidden_layers + _meta(reader, f"{arch}.nextn_predict_layers", path, 0))
     shapes, infos, every, skipped = {}, [], [], 0
     for t in reader.tensors:
         every.append((t.name, t))
@@ -118,7 +120,7 @@ def open_hybrid_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, tuple[in
         if layer.isdigit() and int(layer) in mtp:  # a multi-token-prediction layer: minillm runs the text model only
             skipped += 1
             continue
-        name, shape = qwen35_to_hf_name(t.name), tuple(int(n) for n in reversed(t.shape.tolist()))
+        name, shape = to_hf_name(t.name), tuple(int(n) for n in reversed(t.shape.tolist()))
         _validate_gguf_tensor(path, reader, t, name, shape, shapes, config)  # a known name, once; its bytes
         shapes[name] = (shape[0], 1, shape[1]) if t.name.endswith("ssm_conv1d.weight") and len(shape) == 2 else shape
         infos.append((name, t))
@@ -149,41 +151,42 @@ def load_hybrid_gguf(path: str | Path, dtype: torch.dtype | None = None,
 # ---------------------------------------------------------------- Plumbing
 
 
-def qwen35_config(reader: gguf.GGUFReader, path: str | Path = "GGUF") -> HybridConfig:
-    """A HybridConfig from a qwen35 GGUF's metadata; WeightsError naming the key that is missing or wrong."""
+def qwen35_config(reader: gguf.GGUFReader, path: str | Path = "GGUF", arch: str = ARCHITECTURE, mlp_fields=None,
+                  config_class=HybridConfig) -> HybridConfig:
+    """A HybridConfig from a qwen35 GGUF's metadata; WeightsError naming the key that is missing or wrong.
+    arch, mlp_fields(count) -> {field: value}, config_class: Qwen3.5-MoE's experts instead (notebook 23)."""
     path = Path(path)
-    if (arch := _meta(reader, "general.architecture", path)) != ARCHITECTURE:
-        raise WeightsError(f"{path}: architecture {arch!r} is not {ARCHITECTURE!r}")
-    key = lambda name, default=_MISSING: _meta(reader, f"{ARCHITECTURE}.{name}", path, default)  # noqa: E731
+    if (found := _meta(reader, "general.architecture", path)) != arch:
+        raise WeightsError(f"{path}: architecture {found!r} is not {arch!r}")
+    key = lambda name, default=_MISSING: _meta(reader, f"{arch}.{name}", path, default)  # noqa: E731
 
     def count(name: str, default=_MISSING, least: int = 1) -> int:
         value = key(name, default)
         if type(value) is not int or value < least:
-            raise WeightsError(f"{path}: GGUF metadata key '{ARCHITECTURE}.{name}' must be an integer >= {least}, got {value!r}")
+            raise WeightsError(f"{path}: GGUF metadata key '{arch}.{name}' must be an integer >= {least}, got {value!r}")
         return value
 
     blocks, mtp = count("block_count"), count("nextn_predict_layers", 0, least=0)
     layers, head_dim, v_heads = blocks - mtp, count("attention.key_length"), count("ssm.time_step_rank")
     if layers < 1:
-        raise WeightsError(f"{path}: '{ARCHITECTURE}.nextn_predict_layers' {mtp} leaves no layers of {blocks}")
+        raise WeightsError(f"{path}: '{arch}.nextn_predict_layers' {mtp} leaves no layers of {blocks}")
     if count("attention.value_length") != head_dim:
-        raise WeightsError(f"{path}: '{ARCHITECTURE}.attention.value_length' differs from attention.key_length {head_dim}")
+        raise WeightsError(f"{path}: '{arch}.attention.value_length' differs from attention.key_length {head_dim}")
     if (inner := count("ssm.inner_size")) % v_heads:
-        raise WeightsError(f"{path}: '{ARCHITECTURE}.ssm.inner_size' {inner} is not a multiple of ssm.time_step_rank {v_heads}")
+        raise WeightsError(f"{path}: '{arch}.ssm.inner_size' {inner} is not a multiple of ssm.time_step_rank {v_heads}")
     recurrent = key("attention.recurrent_layers", None)
     if recurrent is None:  # the runtime's rule without the array: every interval-th layer attends
         interval = count("full_attention_interval")
         recurrent = [(i + 1) % interval != 0 for i in range(blocks)]
     if not isinstance(recurrent, list) or len(recurrent) != blocks or any(type(r) is not bool for r in recurrent):
-        raise WeightsError(f"{path}: '{ARCHITECTURE}.attention.recurrent_layers' must be {blocks} booleans")
+        raise WeightsError(f"{path}: '{arch}.attention.recurrent_layers' must be {blocks} booleans")
     if key("rope.scaling.type", "none") != "none":
-        raise WeightsError(f"{path}: '{ARCHITECTURE}.rope.scaling.type' {key('rope.scaling.type')!r} is not supported")
+        raise WeightsError(f"{path}: '{arch}.rope.scaling.type' {key('rope.scaling.type')!r} is not supported")
     tokens, rotary = reader.fields.get("tokenizer.ggml.tokens"), count("rope.dimension_count")
     cfg = {
         "model_type": "qwen3_5_text",
         "vocab_size": len(tokens.data) if tokens is not None else count("vocab_size"),
         "hidden_size": count("embedding_length"),
-        "intermediate_size": count("feed_forward_length"),
         "num_hidden_layers": layers,
         "num_attention_heads": count("attention.head_count"),
         "num_key_value_heads": count("attention.head_count_kv"),
@@ -201,10 +204,11 @@ def qwen35_config(reader: gguf.GGUFReader, path: str | Path = "GGUF") -> HybridC
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id", path, None),
         "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id", path, None),
     }
+    cfg |= {"intermediate_size": count("feed_forward_length")} if mlp_fields is None else mlp_fields(count)
     try:
-        config = HybridConfig.from_dict(cfg, source=str(path))
+        config = config_class.from_dict(cfg, source=str(path))
     except ValueError as exc:
         raise WeightsError(str(exc)) from None
     if config.rotary_dim != rotary:
-        raise WeightsError(f"{path}: '{ARCHITECTURE}.rope.dimension_count' {rotary} is not a whole share of head_dim {head_dim}")
+        raise WeightsError(f"{path}: '{arch}.rope.dimension_count' {rotary} is not a whole share of head_dim {head_dim}")
     return config

@@ -76,10 +76,12 @@ def _meta(reader, key: str, path: Path, default=_MISSING):
         raise WeightsError(f"{path}: GGUF metadata key {key!r} is unreadable ({type(exc).__name__}: {exc})") from None
 
 
-def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
-    """A ModelConfig from a GGUFReader's metadata (llama, qwen2, qwen3)."""
+def gguf_config(reader, path: str | Path = "GGUF", mlp_fields=None, config_class=ModelConfig) -> ModelConfig:
+    """A ModelConfig from a GGUFReader's metadata (llama, qwen2, qwen3). mlp_fields(key) -> {field: value}:
+    another architecture's own fields, for its config_class (notebook 23's experts)."""
     path = Path(path)
-    arch = _supported(_meta(reader, "general.architecture", path), path)
+    arch = _meta(reader, "general.architecture", path)
+    arch = _supported(arch, path) if mlp_fields is None else arch
     key = lambda name, default=_MISSING: _meta(reader, f"{arch}.{name}", path, default)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     heads = key("attention.head_count")
@@ -100,10 +102,12 @@ def gguf_config(reader, path: str | Path = "GGUF") -> ModelConfig:
     }
     if key("attention.key_length", None) is not None:
         cfg["head_dim"] = key("attention.key_length")
+    if mlp_fields is not None:
+        cfg |= mlp_fields(key)
     if key("rope.scaling.type", "none") != "none":
         raise WeightsError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported by the GGUF loader")
     try:
-        config = ModelConfig.from_dict(cfg, source=str(path))
+        config = config_class.from_dict(cfg, source=str(path))
     except ValueError as exc:
         raise WeightsError(str(exc)) from exc
     rotary = key("rope.dimension_count", config.head_dim)
@@ -134,15 +138,17 @@ def hf_rows(config: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def open_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], list[tuple[str, gguf.ReaderTensor]]]:
-    """Check a GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read yet."""
+def open_gguf(path: str | Path, read_config=None, to_hf_name=gguf_to_hf_name) -> tuple[ModelConfig, dict, list]:
+    """Check a GGUF file; return its config, {HF name: shape} and [(HF name, tensor info)], no data read yet.
+    read_config(reader, path), to_hf_name(name): another architecture's (notebook 23's, its header checked first)."""
     path = Path(path)
-    gguf_architecture(path)  # from the header, in milliseconds: before gguf-py decodes a vocabulary
+    if read_config is None:
+        gguf_architecture(path)  # from the header, in milliseconds: before gguf-py decodes a vocabulary
     reader = read_gguf(path)
-    config = gguf_config(reader, path)
+    config = (read_config or gguf_config)(reader, path)
     shapes, infos = {}, []
     for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
+        name = to_hf_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
         _validate_gguf_tensor(path, reader, t, name, shape, shapes, config)  # see "Plumbing" below
         shapes[name] = shape

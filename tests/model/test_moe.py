@@ -183,10 +183,13 @@ def test_route_equals_transformers_router(norm):
     torch.testing.assert_close(weights, their_weights, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_loop_and_grouped_equal_transformers_experts(dtype, tokens):
+def test_loop_and_grouped_equal_transformers_experts(implementation, dtype, tokens):
+    """transformers' two experts implementations on CPU: its eager loop and its default, grouped_mm."""
     cfg = Qwen3MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16)
+    cfg._experts_implementation = implementation
     experts = Qwen3MoeExperts(cfg).to(dtype)
     with torch.no_grad():
         for p in experts.parameters():

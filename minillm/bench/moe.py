@@ -1,0 +1,136 @@
+"""The benchmark's moe section (plumbing): a mixture of experts of Qwen3-30B-A3B's layer shape, minillm
+beside transformers.
+
+No MoE weights are stored offline, and speed does not depend on their values, so both sides run random
+weights: by default QWEN3_30B_A3B_LAYERS, Qwen3-30B-A3B's layer (hidden 2048, 32 query and 4 KV heads
+of 128, 128 experts of width 768, 8 per token, renormalised) in LAYERS of its 48 layers, with a
+32,000-token tied vocabulary (its own 151,936-row head, untied, would weigh more than two layers'
+experts and turn a decode step into a read of the head), at std 0.05 (at transformers' default 0.02
+two layers only repeat a token or two, and agreeing on that proves nothing); with --quick, the sizes
+of data/qwen3_moe-tiny at std 0.3. transformers builds `Qwen3MoeForCausalLM(Qwen3MoeConfig(...))` under torch.manual_seed(SEED)
+with its own init, in --dtype; minillm's `MoeCausalLM` then takes that model's state_dict with
+assign=True (the same names: experts stacked), so the two share one copy of the weights. transformers
+runs its default experts implementation (in 5.23 on a CPU, `grouped_mm`: its own grouped form).
+
+Both sides get the same seeded random prompt ids, greedy decoding with no end-of-sequence, the same
+threads. Rows (section "moe"; variant "readable": MoeCausalLM, its experts grouped):
+
+- first generate (s, n = --tokens): each side's first generate call in a fresh process (peers.
+  fresh_first_generate: the pair built there from the same seed, then that one call timed);
+  generate (s): the same call in this process, the best of --repeats after a warm-up.
+- time to first token (ms) and prefill (tok/s) at each of --prompt-lengths: the best of --repeats
+  calls of 1 new token.
+- decode (tok/s): (tokens - 1) / (t(tokens) - t(1 token)), as peers.measure; greedy agreement:
+  leading tokens equal to transformers'; distinct tokens: how many different ids each side made.
+- engine (tok/s, n = the smallest --requests): useful tokens per second of mixed requests through
+  notebook 17's Engine, against transformers' generate on them as one left-padded batch.
+- experts, one layer (ms, n = tokens routed: 1 and 16): layer 0's experts on random tokens routed by
+  its own router: minillm's grouped form ("grouped") and its readable loop ("loop"), against
+  transformers' Qwen3MoeExperts running grouped_mm and eager respectively; the best of --repeats.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minillm.bench.engine import minillm_engine, mixed_requests, transformers_padded_batch
+from minillm.bench.peers import (IdsOnly, fresh_first_generate, leading_agreement, measure, minillm_runner, prompt_ids,
+                                 transformers_runner)
+from minillm.model.moe import MoeCausalLM, MoeConfig, experts_grouped, experts_loop
+
+SEED = 0
+LAYERS = 2
+QWEN3_30B_A3B_LAYERS = dict(  # Qwen/Qwen3-30B-A3B's config.json, but for LAYERS layers and the vocabulary
+    vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=LAYERS, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    tie_word_embeddings=True, initializer_range=0.05)
+TINY = dict(  # data/qwen3_moe-tiny's config, at std 0.3 (as the qwen3_5 section's tiny shape)
+    vocab_size=192, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+    norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    tie_word_embeddings=True, initializer_range=0.3)
+ROUTED = (1, 16)  # tokens through one layer's experts: a decode step alone, and a batch of 16
+
+
+def build_pair(shape: dict, dtype: torch.dtype, hf_classes) -> tuple[MoeCausalLM, torch.nn.Module]:
+    """(minillm's MoeCausalLM, transformers' Qwen3MoeForCausalLM) on one shared copy of seeded random weights.
+
+    hf_classes: (Qwen3MoeConfig, Qwen3MoeForCausalLM), passed in: transformers is imported on use (cli)."""
+    config_class, model_class = hf_classes
+    torch.manual_seed(SEED)
+    hf = model_class(config_class(**shape)).to(dtype).eval()
+    with torch.device("meta"):  # no second copy: the parameters are assigned hf's tensors
+        ours = MoeCausalLM(MoeConfig.from_dict(dict(shape, model_type="qwen3_moe"), source="moe shape"))
+    state = {name: t for name, t in hf.state_dict().items() if name != "lm_head.weight"}  # tied: the embedding
+    ours.load_state_dict(state, strict=True, assign=True)
+    ours.reset_rope("cpu")  # inv_freq is not in the state_dict: computed again, off the meta device
+    return ours.eval(), hf
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+@torch.no_grad()
+def expert_rows(ours: MoeCausalLM, hf, args, row) -> None:
+    """Layer 0's experts alone: minillm's grouped form and loop against transformers' grouped_mm and eager."""
+    block, theirs = ours.model.layers[0].mlp, hf.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(SEED)
+    for n in ROUTED:
+        x = torch.randn(n, ours.config.hidden_size, generator=generator).to(block.gate.weight.dtype)
+        weights, experts = block.gate(x)
+        for variant, ours_form, hf_implementation in (("grouped", experts_grouped, "grouped_mm"),
+                                                      ("loop", experts_loop, "eager")):
+            mine = best_ms(lambda: ours_form(x, block.experts.gate_up_proj, block.experts.down_proj, weights, experts),
+                           args.repeats)
+            saved, hf.config._experts_implementation = hf.config._experts_implementation, hf_implementation
+            try:
+                hf_ms = best_ms(lambda: theirs(x, experts, weights), args.repeats)
+            finally:
+                hf.config._experts_implementation = saved
+            row("moe", variant, "experts, one layer", "ms", mine, hf_ms, n=n)
+
+
+def moe_rows(args, row, hf_classes) -> str:
+    """Rows of the moe section (the module docstring); returns the model's name, in words."""
+    if args.model:
+        raise SystemExit("error: moe builds its own model (random weights of a Qwen3-MoE shape): --model does not apply")
+    shape, name = (TINY, "tiny Qwen3-MoE shape") if args.quick else \
+        (QWEN3_30B_A3B_LAYERS, f"Qwen3-30B-A3B's layers ({LAYERS} of 48), vocabulary 32,000")
+    lengths, tokens, context = sorted(args.prompt_lengths), args.tokens, shape["max_position_embeddings"]
+    if lengths[-1] >= context or lengths[0] + tokens > context:
+        raise SystemExit(f"error: --prompt-lengths {' '.join(map(str, lengths))} with --tokens {tokens} exceed the "
+                         f"model's context of {context} tokens")
+    dtype = getattr(torch, args.dtype)
+    ours, hf = build_pair(shape, dtype, hf_classes)
+    prompts = {L: prompt_ids(L, ours.config.vocab_size) for L in lengths}
+    sides = {"transformers": transformers_runner(hf, eos_token_id=None), "minillm": minillm_runner(ours, IdsOnly())}
+    first = {side: fresh_first_generate(side, build_pair, (shape, dtype, hf_classes), prompts[lengths[0]], tokens)
+             for side in sides}
+    theirs, mine = (measure(sides[side], prompts, tokens, args.repeats) for side in ("transformers", "minillm"))
+    row("moe", "readable", "first generate", "s", first["minillm"], first["transformers"], n=tokens)
+    row("moe", "readable", "generate", "s", mine["generate_s"], theirs["generate_s"], n=tokens)
+    for L in lengths:
+        row("moe", "readable", "time to first token", "ms", mine["ttft_s"][L] * 1e3, theirs["ttft_s"][L] * 1e3, n=L)
+        row("moe", "readable", "prefill", "tok/s", L / mine["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
+    row("moe", "readable", "decode", "tok/s", mine["decode_tok_s"], theirs["decode_tok_s"], n=tokens)
+    a, b = mine["decode_ids"], theirs["decode_ids"]
+    row("moe", "readable", "greedy agreement", "tokens", leading_agreement(a, b), len(b), n=tokens)
+    row("moe", "readable", "distinct tokens", "tokens", len(set(a)), len(set(b)), n=tokens)
+    n = min(args.requests)
+    prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
+    requests = mixed_requests(n, ours.config.vocab_size, seed=n, prompt_range=prompt_range, new_range=new_range)
+    useful = sum(m for _, m in requests)
+    row("moe", "readable", "engine", "tok/s", useful / minillm_engine(ours, IdsOnly(), requests),
+        useful / transformers_padded_batch(hf, requests, pad_id=0), n=n)
+    expert_rows(ours, hf, args, row)
+    return f"{name}, random weights (seed {SEED}, std {hf.config.initializer_range})"

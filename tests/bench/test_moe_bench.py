@@ -1,0 +1,79 @@
+"""The benchmark's moe section (minillm/bench/moe.py) on the tiny shape: its rows, the agreement of the
+shared weights with transformers, and the experts rows' four forms computing one result.
+
+No timing asserts beyond positivity: speed is the benchmark's output, not a test."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from minillm.bench import cli as bench, moe as bench_moe
+from minillm.model.moe import experts_grouped, experts_loop
+
+HF_CLASSES = (Qwen3MoeConfig, Qwen3MoeForCausalLM)
+TOKENS = 16
+METRICS = (["first generate", "generate"] + ["time to first token", "prefill"] * 2
+           + ["decode", "greedy agreement", "distinct tokens", "engine"] + ["experts, one layer"] * 4)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "moe.json"
+    assert bench.main(["moe", "--quick", "--threads", "1", "--repeats", "1", "--json", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def row(result, metric, n=None, variant="readable"):
+    found = [r for r in result["rows"] if r["metric"] == metric and r["variant"] == variant and r["n"] == n]
+    assert len(found) == 1, (metric, n, variant)
+    return found[0]
+
+
+def test_header_and_rows(result):
+    assert result["model"] == "tiny Qwen3-MoE shape, random weights (seed 0, std 0.3)"
+    assert result["args"]["prompt_lengths"] == [32, 128] and result["args"]["tokens"] == TOKENS
+    assert all(r["section"] == "moe" for r in result["rows"])
+    assert [r["metric"] for r in result["rows"]] == METRICS
+
+
+def test_speed_rows_are_ratios_of_both_sides(result):
+    for metric, unit, n, variant in [("first generate", "s", TOKENS, "readable"), ("decode", "tok/s", TOKENS, "readable"),
+                                     ("engine", "tok/s", 16, "readable"), ("experts, one layer", "ms", 1, "grouped"),
+                                     ("experts, one layer", "ms", 16, "loop")]:
+        r = row(result, metric, n, variant)
+        assert r["unit"] == unit and r["minillm"] > 0 and r["transformers"] > 0
+        better = r["transformers"] / r["minillm"] if unit in ("s", "ms") else r["minillm"] / r["transformers"]
+        assert r["ratio"] == pytest.approx(better)
+
+
+def test_the_shared_weights_give_transformers_greedy_tokens(result):
+    """The same weights on both sides: every one of the 16 greedy tokens agrees, and they are not one token repeated."""
+    agreement, distinct = row(result, "greedy agreement", TOKENS), row(result, "distinct tokens", TOKENS)
+    assert agreement["minillm"] == agreement["transformers"] == TOKENS
+    assert distinct["minillm"] == distinct["transformers"] > 1
+
+
+@torch.no_grad()
+def test_the_four_expert_forms_agree():
+    """What the experts rows time: minillm's grouped form and loop, transformers' grouped_mm and eager, on layer 0."""
+    ours, hf = bench_moe.build_pair(bench_moe.TINY, torch.float32, HF_CLASSES)
+    block, theirs = ours.model.layers[0].mlp, hf.model.layers[0].mlp.experts
+    x = torch.randn(16, ours.config.hidden_size)
+    weights, experts = block.gate(x)
+    expected = experts_loop(x, block.experts.gate_up_proj, block.experts.down_proj, weights, experts)
+    torch.testing.assert_close(experts_grouped(x, block.experts.gate_up_proj, block.experts.down_proj, weights, experts),
+                               expected, rtol=0, atol=1e-6)
+    for implementation in ("grouped_mm", "eager"):
+        hf.config._experts_implementation = implementation
+        torch.testing.assert_close(theirs(x, experts, weights), expected, rtol=0, atol=1e-6, msg=implementation)
+
+
+def test_defaults_and_refusals():
+    args = bench.parse_args(["moe"])
+    assert args.prompt_lengths == [128, 512] and args.tokens == 64
+    with pytest.raises(SystemExit, match="--model does not apply"):
+        bench.main(["moe", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+    with pytest.raises(SystemExit, match="exceed the model's context of 256 tokens"):
+        bench.main(["moe", "--quick", "--prompt-lengths", "32", "300"])
