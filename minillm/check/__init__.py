@@ -26,7 +26,7 @@ naive_attention, greedy_decode, fake_quant). The exploration tasks' checks (chec
 not in CHECKS: they take a measured number and run in the notebook) are in minillm/check/explore.py
 (counts and bytes), check_engine.py (12 and 14: measurements), validate_speculative.py (17) and
 check_lora.py (19); minillm/check/structured.py and parallel.py hold notebook 14's and 20's stubs and explorations,
-minillm/check/linear_attention.py notebook 22's. All run on the harness of minillm/check/harness.py;
+minillm/check/linear_attention.py notebook 22's, minillm/check/moe.py notebook 23's. All run on the harness of minillm/check/harness.py;
 this module names them (CHECKS, EXPLORE) and runs them.
 """
 
@@ -96,6 +96,8 @@ from minillm.check.serving import (
 from minillm.check import linear_attention as check_linear_attention
 from minillm.check.linear_attention import explore_state_crossover_tokens, recurrent_gated_delta_rule
 from minillm.check.lora import explore_adapter_megabytes, multi_lora_linear_forward
+from minillm.check import moe as check_moe
+from minillm.check.moe import experts_loop, explore_experts_touched_16, route
 from minillm.check import performance as check_performance
 from minillm.check.performance import decode_bytes, explore_h200_crossover_batch
 from minillm.check.parallel import explore_kv_bytes_per_token_tp4, split_kv_heads
@@ -116,7 +118,7 @@ __all__ = [
     "multi_lora_linear_forward", "explore_adapter_megabytes",
     "decode_bytes", "explore_h200_crossover_batch",
     "split_kv_heads", "explore_kv_bytes_per_token_tp4", "vocabulary_allowed", "explore_allowed_after_twelve",
-    "recurrent_gated_delta_rule", "explore_state_crossover_tokens",
+    "recurrent_gated_delta_rule", "explore_state_crossover_tokens", "route", "experts_loop", "explore_experts_touched_16",
     "admit", "preempt_seq", "make_room", "explore_speedup_16", "output_events", "explore_text_share",
     "CheckFailed", "CHECKS", "check_namespace", "check_path", "grade", "main",
 ]
@@ -141,14 +143,15 @@ CHECKS: dict[str, Callable[[object], bool]] = {
     "accept_sampled": accept_sampled, "MultiLoRALinear.forward": multi_lora_linear_forward,
     "decode_bytes": decode_bytes,
     "Split.kv_heads": split_kv_heads, "Vocabulary.allowed": vocabulary_allowed,
-    "recurrent_gated_delta_rule": recurrent_gated_delta_rule,
+    "recurrent_gated_delta_rule": recurrent_gated_delta_rule, "route": route, "experts_loop": experts_loop,
 }
 """Exercise name (a function, or Class.method) -> its check, which takes the function or the class."""
 
 EXPLORE: dict[str, Callable[[object], bool]] = {**check_explore.EXPLORE, **check_engine.EXPLORE,
                                                  **validate_speculative.EXPLORE, **check_lora.EXPLORE,
                                                  **check_parallel.EXPLORE, **check_performance.EXPLORE,
-                                                 **check_structured.EXPLORE, **check_linear_attention.EXPLORE}
+                                                 **check_structured.EXPLORE, **check_linear_attention.EXPLORE,
+                                                 **check_moe.EXPLORE}
 """Exploration name (the answer's variable) -> its check, which takes the number (check.explore_<name>)."""
 
 _EXPORT = re.compile(r"^#\|\s*export")

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from support import ROOT
-from minillm.model import attention, decoder as model, gated_delta, layers, rope, tensor
+from minillm.model import attention, decoder as model, gated_delta, layers, moe, rope, tensor
 from minillm import check
-from minillm.check import linear_attention as check_linear_attention, model as check_model
+from minillm.check import linear_attention as check_linear_attention, model as check_model, moe as check_moe
 from minillm.cache import dense as kv_cache, paged as paged_cache, paged_attention
 from minillm.speed import quant
 from minillm.runtime import sampling
@@ -100,6 +100,9 @@ def _calls(ns: dict) -> dict:
         "Vocabulary.allowed": lambda cls: cls(check_structured._tokenizer(), 3).allowed(
             DFA(check_structured.PATTERNS["a b* }"][0]), 0),
         "recurrent_gated_delta_rule": lambda f: f(*check_linear_attention._inputs(1, 2, 1, 4, 4, seed=0)),
+        "route": lambda f: f(*check_moe._router_inputs(3, 8, 4, seed=0), 2, True),
+        "experts_loop": lambda f: f(torch.zeros(2, 4), torch.zeros(3, 6, 4), torch.zeros(3, 4, 3), torch.ones(2, 1),
+                                    torch.tensor([[0], [2]])),
     }
 
 
@@ -722,6 +725,7 @@ REFERENCE = {
     "Split.kv_heads": tensor_parallel.Split,
     "Vocabulary.allowed": constrained.Vocabulary,
     "recurrent_gated_delta_rule": gated_delta.recurrent_gated_delta_rule,
+    "route": moe.route, "experts_loop": moe.experts_loop,
 }
 
 
@@ -900,6 +904,20 @@ DELTA_PLANTED = [  # notebook 22's loop, one step changed each
 ]
 
 
+MOE_PLANTED = [  # notebook 23's router and loop, one step changed each
+    ("route", _variant(moe.route, "    if norm_topk_prob:\n", "    if False:\n", "route_without_renormalising"),
+     "renormalise the k kept weights"),
+    ("route", _variant(moe.route, "probs = torch.softmax(F.linear(x, weight).float(), dim=-1)  # (N, E): every expert's share\n"
+                                  "    top, experts = probs.topk(top_k, dim=-1)",
+                       "top, experts = F.linear(x, weight).float().topk(top_k, dim=-1)\n"
+                       "    top = torch.softmax(top, dim=-1)", "route_top_k_of_logits"), "softmax over ALL experts first"),
+    ("experts_loop", _variant(moe.experts_loop, "y * weights[token, slot, None]", "y", "loop_unweighted"),
+     "weight each expert's output"),
+    ("experts_loop", _variant(moe.experts_loop, "y * weights[token, slot, None]", "y * weights[token, 0, None]",
+                              "loop_first_slot"), "the one of the slot"),
+]
+
+
 PLANTED = [
     ("rms_norm", rms_norm_in_input_dtype, "did you accumulate in fp32?"),
     ("rms_norm", rms_norm_without_eps, "add eps inside the square root"),
@@ -944,6 +962,7 @@ PLANTED = [
     *PARALLEL_PLANTED,
     *STRUCTURED_PLANTED,
     *DELTA_PLANTED,
+    *MOE_PLANTED,
 ]
 
 
@@ -1272,6 +1291,7 @@ EXPLORE_REFERENCE = {  # name -> (the reference value, a wrong value, a word of 
     "kv_bytes_per_token_tp4": (check_parallel.kv_bytes_per_token_tp4(),
                                check_parallel.kv_bytes_per_token_tp4(replicate=False), "whole KV heads"),
     "state_crossover_tokens": (1590, 822, "float32"),
+    "experts_touched_16": (check_moe.experts_touched(), check_moe.experts_touched(per_token=1 / 256), "not 1"),
     "allowed_after_twelve": (check_structured.allowed_after_twelve(),
                              check_structured.allowed_after_twelve(maximum=False), "may not pass it"),
 }
@@ -1281,7 +1301,7 @@ MEASURED = {"speedup_16", "text_share"}  # measurements on this machine: test_ex
 def test_every_exploration_has_a_reference():
     assert set(EXPLORE_REFERENCE) == (set(check_explore.EXPLORE) | set(validate_speculative.EXPLORE) | set(check_lora.EXPLORE)
                                       | set(check_parallel.EXPLORE) | set(check_structured.EXPLORE)
-                                      | set(check_linear_attention.EXPLORE)
+                                      | set(check_linear_attention.EXPLORE) | set(check_moe.EXPLORE)
                                       | set(check_performance.EXPLORE))
     assert MEASURED == set(check_engine.EXPLORE)
     assert set(check.EXPLORE) == set(EXPLORE_REFERENCE) | MEASURED  # one registry
@@ -1296,6 +1316,7 @@ def test_exploration_references_are_the_numbers_the_notebooks_print():
     assert check_explore.transpose_copy_bytes() == (0, 1024 * 9 * 64 * 4)
     # notebook 22: 18 layers x (6144 x 3 x 2 bytes + 16 x 128 x 128 x 4) over 6 layers x 2 x 2 x 256 x 2 bytes a token
     assert check_linear_attention.state_crossover_tokens() == -(-18 * (6144 * 3 * 2 + 16 * 128 * 128 * 4) // (6 * 2 * 2 * 256 * 2))
+    assert check_moe.experts_touched() == pytest.approx(101.96, abs=0.01)  # notebook 23: 256 x (1 - (248/256)^16)
     assert check_explore.gqa_saved_bytes_per_token() == 2 * 30 * 64 * 2 * (9 - 3)
     assert check_explore.kv_crossover_tokens() == 80409  # 494,032,768 bf16 parameters / 12 KiB per token
     assert check_explore.int4_bits_per_weight() == 5.0
