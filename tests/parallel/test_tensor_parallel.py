@@ -105,6 +105,52 @@ def test_a_lost_rank_ends_the_others_with_a_clear_error(how, tmp_path):
     assert got["seconds"] < 30 and time.monotonic() - start < 90, got
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_split_by_experts_equals_one_process(world, tmp_path):
+    """Expert parallelism (notebook 23): each rank holds E / world experts of every layer; the stored
+    transformers logits, the 32 greedy tokens and an engine run of the three prompts are the single
+    process's."""
+    from support import HYBRID_REL, TINY_REL, assert_logits_close
+
+    launch("experts", world, tmp_path / "out.pt")
+    result = torch.load(tmp_path / "out.pt")
+    for name, rel in (("qwen3_moe-tiny", TINY_REL), ("qwen3_5_moe-tiny", HYBRID_REL)):
+        ref, got = load_file(DATA / name / "reference.safetensors"), result[name]
+        assert got["held"] == [(8 // world, 32, 64)] * 2  # (E / world, 2I, h) in each of the 2 layers
+        for i in range(3):
+            assert_logits_close(got["logits"][i], ref[f"logits_{i}"], rel=rel, msg=f"{name} prompt {i}")
+            assert got["greedy"][i] == ref[f"greedy_{i}"].tolist(), (name, i)
+        assert got["engine"] == [ref[f"greedy_{i}"].tolist() for i in range(3)], name
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_the_ranks_expert_shares_add_up_to_the_layer(world):
+    """In one process: every rank's local_experts on the same tokens, summed, is the whole layer; a planted
+    bug (a rank runs every pair, not only its experts' ones) is caught by the same comparison."""
+    from minillm.model.moe import experts_grouped, route
+    from minillm.parallel.expert_parallel import expert_share, local_experts
+
+    g = torch.Generator().manual_seed(world)
+    E, h, I, k = 8, 16, 12, 3
+    x, gate_up, down, router = (torch.randn(*s, generator=g) for s in ((10, h), (E, 2 * I, h), (E, h, I), (E, h)))
+    weights, experts = route(x, router, k)
+    whole = experts_grouped(x, gate_up, down, weights, experts)
+    shares = [expert_share(E, r, world) for r in range(world)]
+    summed = sum(local_experts(x, gate_up[s], down[s], weights, experts, s.start) for s in shares)
+    torch.testing.assert_close(summed, whole, rtol=0, atol=1e-5)
+    if world > 1:
+        planted = sum(local_experts(x, gate_up, down, weights, experts, 0) for _ in shares)  # every pair on every rank
+        assert (planted - whole).abs().max() > 0.1
+
+
+def test_expert_shares_that_do_not_divide_are_named():
+    from minillm.parallel.expert_parallel import expert_share
+
+    assert [list(expert_share(8, r, 4)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="num_experts divisible by 3, got 8"):
+        expert_share(8, 0, 3)
+
+
 def test_sizes_that_do_not_divide_are_named():
     config = gguf_config(read_gguf(embedded_gguf_path()))  # SmolLM2-135M: 9 heads, 3 KV heads, MLP 1536
     local = Split(config, 2, 3).local_config()

@@ -4,6 +4,7 @@ the single-process model.
 
     python tests/parallel/tp_worker.py fixtures OUT    # logits, 32 greedy tokens and an engine run, per tiny fixture
     python tests/parallel/tp_worker.py smollm2 OUT     # SmolLM2's reference prompts: last logits and 32 greedy tokens
+    python tests/parallel/tp_worker.py experts OUT     # the MoE fixtures split by experts (notebook 23): the same, and the engine
     python tests/parallel/tp_worker.py die OUT         # rank 1 exits during generation: rank 0 must raise RankLost
     python tests/parallel/tp_worker.py hang OUT        # rank 1 stops answering: rank 0 must raise RankLost in time
 """
@@ -53,6 +54,35 @@ def fixtures(rank: int, world: int) -> dict:
     return out
 
 
+def experts(rank: int, world: int) -> dict:
+    """Expert parallelism (notebook 23) on the tiny MoE checkpoints: logits, 32 greedy tokens, an engine run."""
+    import warnings
+
+    from minillm.cache.hybrid import make_hybrid_cache
+    from minillm.parallel.expert_parallel import expert_parallel_model
+    from minillm.runtime.hybrid_engine import HybridEngine
+    from minillm.weights.moe import load_moe_folder
+
+    tok, out = Tokenizer.from_gguf(embedded_gguf_path()), {}
+    for name in ("qwen3_moe-tiny", "qwen3_5_moe-tiny"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the Qwen3.5-MoE's vision tower, skipped
+            model = expert_parallel_model(load_moe_folder(DATA / name, dtype=torch.float32, device="cpu"), rank, world)
+        hybrid = name.startswith("qwen3_5")
+        ref = load_file(DATA / name / "reference.safetensors")
+        with torch.no_grad():
+            logits = [model(ref[f"input_ids_{i}"][None])[0] for i in range(3)]
+        extra = {"cache_factory": make_hybrid_cache} if hybrid else {}
+        greedy = [generate(model, tok, ref[f"input_ids_{i}"].tolist(), max_new_tokens=32, eos_token_ids=(), **extra).token_ids
+                  for i in range(3)]
+        engine = (HybridEngine if hybrid else Engine)(model, tok, num_blocks=24)
+        prompts = [ref[f"input_ids_{i}"].tolist() for i in range(3)]
+        runs = [r["token_ids"] for r in engine.generate(prompts, max_new_tokens=32, eos_token_ids=())]
+        held = [tuple(layer.mlp.gate_up_proj.shape) for layer in model.model.layers]
+        out[name] = {"logits": logits, "greedy": greedy, "engine": runs, "held": held}
+    return out
+
+
 def smollm2(rank: int, world: int) -> dict:
     path = embedded_gguf_path()
     model, tok, ref = load_shard(path, rank, world), Tokenizer.from_gguf(path), load_file(DATA / "smollm2" / "reference.safetensors")
@@ -93,8 +123,8 @@ def main() -> None:
     torch.set_num_threads(1)  # several ranks share two cores
     world = int(os.environ["WORLD_SIZE"])
     rank, _ = init_tensor_parallel(world, timeout=float(os.environ.get("TP_TIMEOUT", 60)))
-    result = {"fixtures": fixtures, "smollm2": smollm2}[task](rank, world) if task in ("fixtures", "smollm2") \
-        else lose_a_rank(rank, world, task)
+    tasks = {"fixtures": fixtures, "smollm2": smollm2, "experts": experts}
+    result = tasks[task](rank, world) if task in tasks else lose_a_rank(rank, world, task)
     if rank == 0:
         torch.save(result, out)
     if task in ("die", "hang"):
