@@ -102,9 +102,9 @@ def _stack_shape(stacked: str, proj: str, by_expert: dict, source: str) -> tuple
         if len(by_expert) > 1 or len(by_expert[None]) != 3:
             raise WeightsError(f"{source}: {stacked}: {proj} must be one (E, rows, cols) tensor, or one per expert")
         return by_expert[None]
-    missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
-    if missing:
-        raise WeightsError(f"{source}: {stacked}: {proj} of expert(s) {missing[:8]} missing")
+    if max(by_expert) + 1 != len(by_expert):  # some expert below the largest index is absent
+        missing = [e for e in range(len(by_expert) + 1) if e not in by_expert][:8]  # bounded by the file's tensors
+        raise WeightsError(f"{source}: {stacked}: {proj} of expert(s) {missing} missing")
     shapes = set(by_expert.values())
     if len(shapes) > 1 or len(next(iter(shapes))) != 2:
         raise WeightsError(f"{source}: {stacked}: the experts' {proj} tensors must be 2-D and of one shape, got {sorted(shapes)}")

@@ -116,6 +116,8 @@ def damaged(tmp_path, edit):
      r"gate_proj \(8, 16, 64\) and up_proj None must both be there"),
     (lambda t: t.update({"model.layers.0.mlp.experts.gate_proj.weight": torch.zeros(8, 16, 64)}),
      "must be one .E, rows, cols. tensor, or one per expert"),
+    (lambda t: t.update({"model.layers.0.mlp.experts.999999999999.down_proj.weight": torch.zeros(64, 16)}),
+     r"down_proj of expert\(s\) \[8, 9\] missing"),  # a hostile index: named at once, no range of 10**12 walked
 ])
 def test_damaged_experts_are_named(tmp_path, edit, message):
     with pytest.raises(WeightsError, match=message):
