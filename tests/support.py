@@ -6,6 +6,7 @@
   top2_margin), explained below;
 - FakeHub, a stand-in for the Hugging Face Hub on 127.0.0.1;
 - serving, slow_steps and wait_until, for tests that drive a live server;
+- qwen_hub_folder: a tiny checkpoint with Qwen's tokenizer beside it, as a hub folder;
 - llama_cpp_convert: a checkpoint folder through llama.cpp's own GGUF converter.
 
 pytest's hooks and fixtures are in conftest.py beside this file.
@@ -300,6 +301,22 @@ def tokenizer_gguf(path: Path, templates: dict[str, str] = {}) -> Path:  # noqa:
     writer.close()
     return path
 
+
+
+def qwen_hub_folder(source: Path, folder: Path, files=("config.json", "model.safetensors")) -> Path:
+    """A tiny checkpoint's `files` copied into `folder` as a hub folder would hold them, with Qwen's
+    tokenizer.json and chat template beside them (the tiny folders in data/ have no tokenizer)."""
+    import shutil
+
+    from minillm.text.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        shutil.copy(source / name, folder / name)
+    Tokenizer.from_qwen_tiktoken().backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN_CHAT_TEMPLATE,
+                                                              "eos_token": "<|im_end|>"}))
+    return folder
 
 # ---------------------------------------------------------------- llama.cpp's converter
 # convert_hf_to_gguf.py of the llama-cpp-python 0.3.36 sdist, unpacked into .venv/llama-cpp/ by

@@ -6,8 +6,6 @@ refused by name."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import warnings
 from argparse import Namespace
 
@@ -21,8 +19,7 @@ from minillm.__main__ import _print_stream
 from minillm.runtime.generate import collect
 from minillm.runtime.sampling import SamplingParams
 from minillm.serve.server import create_app
-from minillm.text.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
-from support import DATA, HYBRID_REL, TINY_REL, assert_logits_close, serving
+from support import DATA, HYBRID_REL, TINY_REL, assert_logits_close, qwen_hub_folder, serving
 
 MODELS = {"qwen3_moe-tiny": ("MoeCausalLM", "Engine", TINY_REL),
           "qwen3_5_moe-tiny": ("HybridMoeCausalLM", "HybridEngine", HYBRID_REL)}
@@ -31,14 +28,8 @@ MODELS = {"qwen3_moe-tiny": ("MoeCausalLM", "Engine", TINY_REL),
 @pytest.fixture(scope="module", params=list(MODELS))
 def folder(request, tmp_path_factory):
     """A tiny MoE checkpoint as a hub folder: its files, Qwen's tokenizer.json and chat template."""
-    folder = tmp_path_factory.mktemp("moe") / request.param
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors", "reference.safetensors"):
-        shutil.copy(DATA / request.param / name, folder / name)
-    Tokenizer.from_qwen_tiktoken().backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN_CHAT_TEMPLATE,
-                                                              "eos_token": "<|im_end|>"}))
-    return folder
+    return qwen_hub_folder(DATA / request.param, tmp_path_factory.mktemp("moe") / request.param,
+                           ("config.json", "model.safetensors", "reference.safetensors"))
 
 
 def load_quietly(source, **kwargs):

@@ -5,9 +5,7 @@ OpenAI server batches it with the hybrid engine of appendix A6."""
 
 from __future__ import annotations
 
-import json
 from argparse import Namespace
-import shutil
 import warnings
 
 import httpx
@@ -24,8 +22,7 @@ from minillm.runtime.llm import load as load_decoder_only
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import SpeculationStats
 from minillm.serve.server import create_app
-from minillm.text.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
-from support import DATA, FakeHub, HYBRID_REL, KnowsTheAnswers, assert_logits_close, serving
+from support import DATA, FakeHub, HYBRID_REL, KnowsTheAnswers, assert_logits_close, qwen_hub_folder, serving
 
 TINY = DATA / "qwen3_5-tiny"
 REFERENCE = load_file(TINY / "reference.safetensors")
@@ -34,13 +31,7 @@ REFERENCE = load_file(TINY / "reference.safetensors")
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """The tiny Qwen3.5 checkpoint as a hub folder: its files, Qwen's tokenizer.json and template."""
-    folder = tmp_path_factory.mktemp("qwen3_5")
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(TINY / name, folder / name)
-    Tokenizer.from_qwen_tiktoken().backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN_CHAT_TEMPLATE,
-                                                              "eos_token": "<|im_end|>"}))
-    return folder
+    return qwen_hub_folder(TINY, tmp_path_factory.mktemp("qwen3_5"))
 
 
 def load_quietly(source, **kwargs):

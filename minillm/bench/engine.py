@@ -67,6 +67,17 @@ def minillm_engine(model, tokenizer, requests, adapters=None, engine_class=Engin
     return seconds
 
 
+
+def mixed_engine_row(section: str, model, hf, args, row, tokenizer, engine_class=Engine) -> None:
+    """The engine row of the sections with a model of their own (qwen3_5, moe): useful tokens per second of
+    the smallest --requests count of mixed requests, `engine_class` against transformers' padded batch."""
+    n = min(args.requests)
+    prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
+    requests = mixed_requests(n, model.config.vocab_size, seed=n, prompt_range=prompt_range, new_range=new_range)
+    useful = sum(m for _, m in requests)
+    row(section, "readable", "engine", "tok/s", useful / minillm_engine(model, tokenizer, requests, engine_class=engine_class),
+        useful / transformers_padded_batch(hf, requests, pad_id=0), n=n)
+
 def engine_rows(sides, args, row) -> None:
     """Rows of the engine section: for each --requests count, readable and fast against transformers."""
     prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))

@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from minillm.bench.engine import minillm_engine, mixed_requests, transformers_padded_batch
-from minillm.bench.peers import (IdsOnly, fresh_first_generate, leading_agreement, measure, minillm_runner, prompt_ids,
+from minillm.bench.engine import mixed_engine_row
+from minillm.bench.peers import (IdsOnly, fresh_first_generate, minillm_runner, prompt_ids, single_request_rows,
                                  transformers_runner)
 from minillm.model.moe import MoeCausalLM, MoeConfig, experts_grouped, experts_loop
 
@@ -116,21 +116,7 @@ def moe_rows(args, row, hf_classes) -> str:
     sides = {"transformers": transformers_runner(hf, eos_token_id=None), "minillm": minillm_runner(ours, IdsOnly())}
     first = {side: fresh_first_generate(side, build_pair, (shape, dtype, hf_classes), prompts[lengths[0]], tokens)
              for side in sides}
-    theirs, mine = (measure(sides[side], prompts, tokens, args.repeats) for side in ("transformers", "minillm"))
-    row("moe", "readable", "first generate", "s", first["minillm"], first["transformers"], n=tokens)
-    row("moe", "readable", "generate", "s", mine["generate_s"], theirs["generate_s"], n=tokens)
-    for L in lengths:
-        row("moe", "readable", "time to first token", "ms", mine["ttft_s"][L] * 1e3, theirs["ttft_s"][L] * 1e3, n=L)
-        row("moe", "readable", "prefill", "tok/s", L / mine["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
-    row("moe", "readable", "decode", "tok/s", mine["decode_tok_s"], theirs["decode_tok_s"], n=tokens)
-    a, b = mine["decode_ids"], theirs["decode_ids"]
-    row("moe", "readable", "greedy agreement", "tokens", leading_agreement(a, b), len(b), n=tokens)
-    row("moe", "readable", "distinct tokens", "tokens", len(set(a)), len(set(b)), n=tokens)
-    n = min(args.requests)
-    prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
-    requests = mixed_requests(n, ours.config.vocab_size, seed=n, prompt_range=prompt_range, new_range=new_range)
-    useful = sum(m for _, m in requests)
-    row("moe", "readable", "engine", "tok/s", useful / minillm_engine(ours, IdsOnly(), requests),
-        useful / transformers_padded_batch(hf, requests, pad_id=0), n=n)
+    single_request_rows("moe", sides, first, prompts, tokens, args.repeats, row)
+    mixed_engine_row("moe", ours, hf, args, row, IdsOnly())
     expert_rows(ours, hf, args, row)
     return f"{name}, random weights (seed {SEED}, std {hf.config.initializer_range})"

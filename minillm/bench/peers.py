@@ -113,6 +113,23 @@ def _first_generate(side, build, build_args, threads, prompt, tokens, generate_k
     return run(prompt, tokens)[0]
 
 
+
+def single_request_rows(section: str, sides: dict, first: dict, prompts: dict[int, list[int]], tokens: int,
+                        repeats: int, row) -> None:
+    """One request at a time, minillm beside transformers (the qwen3_5 and moe sections): each side's
+    first generate (`first`: seconds from fresh_first_generate) and the same call warm, time to first
+    token and prefill at each prompt length, decode tok/s, greedy agreement and distinct tokens."""
+    theirs, mine = (measure(sides[side], prompts, tokens, repeats) for side in ("transformers", "minillm"))
+    row(section, "readable", "first generate", "s", first["minillm"], first["transformers"], n=tokens)
+    row(section, "readable", "generate", "s", mine["generate_s"], theirs["generate_s"], n=tokens)
+    for L in sorted(prompts):
+        row(section, "readable", "time to first token", "ms", mine["ttft_s"][L] * 1e3, theirs["ttft_s"][L] * 1e3, n=L)
+        row(section, "readable", "prefill", "tok/s", L / mine["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
+    row(section, "readable", "decode", "tok/s", mine["decode_tok_s"], theirs["decode_tok_s"], n=tokens)
+    a, b = mine["decode_ids"], theirs["decode_ids"]
+    row(section, "readable", "greedy agreement", "tokens", leading_agreement(a, b), len(b), n=tokens)
+    row(section, "readable", "distinct tokens", "tokens", len(set(a)), len(set(b)), n=tokens)
+
 def llamacpp_runner(gguf: Path, threads: int, context: int):
     """llama.cpp's greedy decoding of exactly n tokens on `gguf`; ImportError (naming the install) if absent."""
     try:  # imported on use: an optional peer, not a requirement

@@ -53,8 +53,8 @@ import time
 
 import torch
 
-from minillm.bench.engine import minillm_engine, mixed_requests, pool_blocks, transformers_padded_batch
-from minillm.bench.peers import (IdsOnly, fresh_first_generate, leading_agreement, measure, minillm_runner, prompt_ids,
+from minillm.bench.engine import mixed_engine_row, pool_blocks
+from minillm.bench.peers import (IdsOnly, fresh_first_generate, minillm_runner, prompt_ids, single_request_rows,
                                  transformers_runner)
 from minillm.cache.dense import kv_cache_bytes
 from minillm.cache.hybrid import hybrid_cache_bytes, linear_state_bytes, make_hybrid_cache
@@ -155,14 +155,8 @@ def engine_chats(model: HybridCausalLM, chats: list[list[int]], prefix_caching: 
 
 def engine_rows(ours: HybridCausalLM, hf, args, row) -> None:
     """The engine rows (the module docstring): mixed requests, then chats sharing a system prompt."""
-    n, vocab = min(args.requests), ours.config.vocab_size
-    prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
-    requests = mixed_requests(n, vocab, seed=n, prompt_range=prompt_range, new_range=new_range)
-    useful = sum(m for _, m in requests)
-    theirs = useful / transformers_padded_batch(hf, requests, pad_id=0)
-    row("qwen3_5", "readable", "engine", "tok/s", useful / minillm_engine(ours, IdsOnly(), requests, engine_class=HybridEngine),
-        theirs, n=n)
-    chats, hf_run = shared_prompt_chats(vocab, args.quick), transformers_runner(hf, eos_token_id=None)
+    mixed_engine_row("qwen3_5", ours, hf, args, row, IdsOnly(), engine_class=HybridEngine)
+    chats, hf_run = shared_prompt_chats(ours.config.vocab_size, args.quick), transformers_runner(hf, eos_token_id=None)
     hf_seconds = sum(hf_run(chat, REPLY_TOKENS)[0] for chat in chats)
     cached, reused = engine_chats(ours, chats, prefix_caching=True)
     plain, _ = engine_chats(ours, chats, prefix_caching=False)
@@ -199,16 +193,7 @@ def qwen3_5_rows(args, row, hf_classes) -> str:
     sides = {"transformers": transformers_runner(hf, eos_token_id=None), "minillm": hybrid_runner(ours)}
     first = {side: fresh_first_generate(side, build_pair, (shape, dtype, hf_classes), prompts[lengths[0]], tokens,
                                         {"cache_factory": make_hybrid_cache}) for side in sides}
-    theirs, mine = (measure(sides[side], prompts, tokens, args.repeats) for side in ("transformers", "minillm"))
-    row("qwen3_5", "readable", "first generate", "s", first["minillm"], first["transformers"], n=tokens)
-    row("qwen3_5", "readable", "generate", "s", mine["generate_s"], theirs["generate_s"], n=tokens)
-    for L in lengths:
-        row("qwen3_5", "readable", "time to first token", "ms", mine["ttft_s"][L] * 1e3, theirs["ttft_s"][L] * 1e3, n=L)
-        row("qwen3_5", "readable", "prefill", "tok/s", L / mine["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
-    row("qwen3_5", "readable", "decode", "tok/s", mine["decode_tok_s"], theirs["decode_tok_s"], n=tokens)
-    a, b = mine["decode_ids"], theirs["decode_ids"]
-    row("qwen3_5", "readable", "greedy agreement", "tokens", leading_agreement(a, b), len(b), n=tokens)
-    row("qwen3_5", "readable", "distinct tokens", "tokens", len(set(a)), len(set(b)), n=tokens)
+    single_request_rows("qwen3_5", sides, first, prompts, tokens, args.repeats, row)
     engine_rows(ours, hf, args, row)
     ours_bytes, hf_bytes = caches_after_prefill(ours, hf, prompts[lengths[0]])
     row("qwen3_5", "readable", "cache after prefill", "MiB", ours_bytes * 2**-20, hf_bytes * 2**-20, n=lengths[0])

@@ -19,13 +19,12 @@ References: Shazeer et al., "Outrageously Large Neural Networks" (arXiv:1701.065
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.model.decoder import CausalLM, ModelConfig, hf_config_fields, read_config_json, validate_config_dict
+from minillm.model.decoder import CausalLM, ModelConfig, hf_config_fields, validate_config_dict
 from minillm.model.layers import MLP
 from minillm.model.qwen3_5 import HybridCausalLM, HybridConfig, hybrid_config_fields, validate_hybrid_config_dict
 from minillm.utils.validate import is_positive_int
@@ -170,11 +169,6 @@ class MoeConfig(ModelConfig):
         except (TypeError, ValueError, ArithmeticError) as exc:
             raise ValueError(f"{source}: {exc}") from None
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> MoeConfig:
-        cfg, path = read_config_json(path)
-        return cls.from_dict(cfg, source=str(path))
-
 
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 ALIASES = {"num_experts": "num_local_experts"}  # the name transformers 5 saves qwen3_moe's under
@@ -215,11 +209,6 @@ class HybridMoeConfig(HybridConfig, MoeConfig):
             return cls(**fields)
         except (TypeError, ValueError, ArithmeticError) as exc:
             raise ValueError(f"{source}: {exc}") from None
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> HybridMoeConfig:
-        cfg, path = read_config_json(path)
-        return cls.from_dict(cfg, source=str(path))
 
 
 class HybridMoeCausalLM(HybridCausalLM):

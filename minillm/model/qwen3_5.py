@@ -24,7 +24,6 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ from torch import nn
 from minillm.model.attention import attention_mask as build_attention_mask
 from minillm.model.attention import scaled_dot_product_attention
 from minillm.model.decoder import ModelConfig, hf_config_fields, keep_columns, padded_positions
-from minillm.model.decoder import read_config_json, validate_forward_inputs
+from minillm.model.decoder import validate_forward_inputs
 from minillm.model.gated_delta import causal_conv1d, chunked_gated_delta_rule, gated_rms_norm, l2norm
 from minillm.model.gated_delta import recurrent_gated_delta_rule
 from minillm.model.layers import MLP
@@ -78,11 +77,6 @@ class HybridConfig(ModelConfig):
             return cls(**hybrid_config_fields(cfg, text))
         except (TypeError, ValueError, ArithmeticError) as exc:
             raise ValueError(f"{source}: {exc}") from None
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> HybridConfig:
-        cfg, path = read_config_json(path)
-        return cls.from_dict(cfg, source=str(path))
 
 
 def hybrid_config_fields(cfg: dict, text: dict) -> dict:

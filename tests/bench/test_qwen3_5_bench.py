@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from minillm.bench import cli as bench, qwen3_5 as bench_qwen3_5
+from minillm.bench import cli as bench, peers as bench_peers, qwen3_5 as bench_qwen3_5
 from minillm.model.qwen3_5 import HybridConfig
 
 HF_CLASSES = (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
@@ -126,9 +126,9 @@ def test_tensor_bytes_counts_each_storage_once():
 
 
 def test_leading_agreement():
-    assert bench_qwen3_5.leading_agreement([1, 2, 3], [1, 2, 4]) == 2
-    assert bench_qwen3_5.leading_agreement([5, 2, 3], [1, 2, 3]) == 0
-    assert bench_qwen3_5.leading_agreement([1, 2], [1, 2, 3]) == 2
+    assert bench_peers.leading_agreement([1, 2, 3], [1, 2, 4]) == 2
+    assert bench_peers.leading_agreement([5, 2, 3], [1, 2, 3]) == 0
+    assert bench_peers.leading_agreement([1, 2], [1, 2, 3]) == 2
 
 
 def test_defaults_and_refusals():
