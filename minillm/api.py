@@ -18,9 +18,9 @@ import torch
 
 from minillm.cache.dense import make_cache
 from minillm.cache.hybrid import make_hybrid_cache
-from minillm.model.decoder import CausalLM
+from minillm.model.decoder import CausalLM, read_config_json
 from minillm.model.devices import parse_device, parse_dtype
-from minillm.model.moe import MoeConfig
+from minillm.model.moe import MoeCausalLM
 from minillm.model.qwen3_5 import HybridCausalLM
 from minillm.parallel.tensor_parallel import load_rank_shard
 from minillm.runtime import llm as basic
@@ -32,11 +32,13 @@ from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import ModelDrafter, NgramDrafter, int4_drafter
 from minillm.runtime.speculative import stream as speculative_stream
 from minillm.speed.fast import FastCausalLM
+from minillm.speed.moe import FastMoeCausalLM, quantize_moe_model
 from minillm.speed.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
 from minillm.text.constrained import Constraints
 from minillm.text.tool_calls import call_format, encode_with_tools, parse_tool_calls, validate_tools
 from minillm.utils.validate import is_int
 from minillm.weights.embedded import embedded_gguf_path
+from minillm.weights.gguf_file import check_gguf_header
 from minillm.weights.hub import REPO_ID, download
 from minillm.weights.hybrid import is_hybrid_folder, load_hybrid_folder
 from minillm.weights.hybrid_gguf import is_hybrid_gguf, load_hybrid_gguf
@@ -85,12 +87,10 @@ def make_drafter(model, speculative):
     if hybrid:  # the int4 fast path and a draft model's own cache are built for the decoder only
         raise ValueError("speculative: a Qwen3.5 drafter (int4, or a Qwen3.5 draft model) is not built yet; "
                          "use 'ngram' or a decoder-only draft model")
-    if speculative == "int4" and isinstance(model.config, MoeConfig):  # notebook 23: no fast path for experts yet
-        raise ValueError("speculative: the 'int4' drafter is the fast path, not built for mixture-of-experts layers yet")
     if speculative == "ngram":
         return NgramDrafter()
-    if speculative == "int4":
-        return int4_drafter(model)
+    if speculative == "int4":  # a Qwen3-MoE's own int4 fast path is notebook 23's
+        return ModelDrafter(FastMoeCausalLM(model, quantize="int4")) if isinstance(model, MoeCausalLM) else int4_drafter(model)
     return ModelDrafter(speculative.model) if isinstance(speculative, basic.LLM) else speculative
 
 
@@ -118,7 +118,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
 
     quantize (notebook 12): "int8" (per channel) or "int4" (groups of `group_size` inputs) quantizes
     the loaded linears; "gguf" keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks (its other types in float32; CPU).
-    fast (notebook 13): the fast path, FastCausalLM, quantized as asked; compile: torch.compile it too.
+    fast (notebook 13): the fast path, FastCausalLM (23: FastMoeCausalLM), quantized as asked; compile: torch.compile it.
     lora (notebook 20): a PEFT LoRA adapter's folder, merged into the float weights before the options.
     tensor_parallel (notebook 21): N, in each of the N processes torchrun starts: this rank's shard."""
     _validate_options(quantize, group_size, fast, compile, lora, tensor_parallel)  # before any work (Plumbing, below)
@@ -129,8 +129,8 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     gguf_file = path.suffix == ".gguf"  # Qwen3.5 (notebook 22, A5): a folder's config or a file's header says
     hybrid = is_hybrid_gguf(path) if gguf_file else is_hybrid_folder(path)
     moe = is_moe_gguf(path) if gguf_file else is_moe_folder(path)  # Qwen3-MoE, Qwen3.5-MoE (notebook 23, A7)
-    if hybrid or moe:
-        _validate_float_only_options(quantize, fast, lora, tensor_parallel, "mixture-of-experts" if moe else "Qwen3.5's hybrid")
+    if hybrid or moe:  # their own loaders: a Qwen3-MoE takes quantize and fast (notebook 23), the hybrids neither
+        _validate_own_loader_options(path, hybrid, quantize, fast, lora, tensor_parallel)
     adapter = None if lora is None else read_adapter(lora)  # a bad adapter fails before the weights load
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if gguf_file and not hybrid and not moe:  # the header alone: a model minillm lacks is refused
@@ -146,6 +146,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
         gguf_loader, folder_loader = (load_moe_gguf, load_moe_folder) if moe else (load_hybrid_gguf, load_hybrid_folder)
         own_loader = gguf_loader if gguf_file else folder_loader
         net = own_loader(path, dtype=dtype, device=None if device is None else parse_device(device))
+        net = _weight_options(net, quantize, group_size, fast, compile)  # notebook 23's quantized experts
     else:
         net = load_model(source, dtype=dtype, device=None if device is None else parse_device(device))
         net = net if adapter is None else merge_adapter(net, adapter)  # W + B A, then quantize or fast
@@ -179,13 +180,22 @@ def _validate_options(quantize: str | None, group_size: int, fast: bool, compile
         raise ValueError("lora= merges an adapter into float weights; quantize='gguf' keeps the file's 4-bit blocks")
 
 
-def _validate_float_only_options(quantize: str | None, fast: bool, lora, tensor_parallel: int | None, layers: str) -> None:
-    """Qwen3.5 (notebook 22) and the MoE models (23) run in float weights, one process: the decoder's weight
-    options are refused, naming the `layers` they are not built for."""
-    asked = [name for name, on in (("quantize", quantize), ("fast", fast), ("lora", lora is not None),
-                                   ("tensor_parallel", tensor_parallel is not None)) if on]
+HYBRID_MOE = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen35moe")  # Qwen3.5-MoE's model_type and GGUF architecture
+
+
+def _validate_own_loader_options(path: Path, hybrid: bool, quantize: str | None, fast: bool, lora,
+                                 tensor_parallel: int | None) -> None:
+    """The models with loaders of their own run in one process, without an adapter: a Qwen3-MoE takes quantize
+    ('int8', 'int4') and fast (notebook 23); Qwen3.5 and Qwen3.5-MoE (22, 23) run in float weights."""
+    kind = check_gguf_header(path).get("general.architecture") if path.suffix == ".gguf" else \
+        read_config_json(path)[0].get("model_type")
+    float_only = hybrid or kind in HYBRID_MOE
+    asked = [name for name, on in (("quantize", quantize == "gguf" or (quantize and float_only)), ("fast", fast and float_only),
+                                   ("lora", lora is not None), ("tensor_parallel", tensor_parallel is not None)) if on]
     if asked:
-        raise ValueError(f"{', '.join(asked)}: not built for {layers} layers yet; load it without them")
+        layers = "Qwen3.5's hybrid" if float_only else "mixture-of-experts"
+        built = "" if float_only else " (quantize='int8' or 'int4' and fast=True are built)"
+        raise ValueError(f"{', '.join(asked)}: not built for {layers} layers yet; load it without them{built}")
 
 
 def _validate_gguf_source(source: str | Path, device: str | torch.device | None, dtype: torch.dtype | None) -> None:
@@ -197,10 +207,11 @@ def _validate_gguf_source(source: str | Path, device: str | torch.device | None,
 
 def _weight_options(net: CausalLM, quantize: str | None, group_size: int, fast: bool, compile: bool):
     """Float weights as loaded -> the fast path (notebook 13), or quantized linears (notebook 12), or as they are."""
+    moe = isinstance(net, MoeCausalLM)  # notebook 23's quantized experts and fast path
     if fast:
-        net = FastCausalLM(net, quantize=quantize, group_size=group_size)
+        net = (FastMoeCausalLM if moe else FastCausalLM)(net, quantize=quantize, group_size=group_size)
         if compile:
             net.compile()
     elif quantize is not None:
-        net = quantize_model(net, quantize, group_size)
+        net = (quantize_moe_model if moe else quantize_model)(net, quantize, group_size)
     return net

@@ -73,13 +73,18 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     return out
 
 
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs of experts (N, k) grouped by expert: order (N k,) into the flattened pairs,
+    each sorted pair's token (N k,), and ends (E,) int32, the row where each expert's run ends."""
+    order = experts.flatten().argsort(stable=True)  # stable: each expert's tokens stay in order
+    ends = torch.bincount(experts.flatten(), minlength=num_experts).cumsum(0).to(torch.int32)
+    return order, order // experts.shape[1], ends
+
+
 def experts_grouped(x, gate_up_proj, down_proj, weights, experts) -> torch.Tensor:
     """The fast path: the N k (token, expert) pairs sorted by expert, then one grouped matrix product
     per projection over all experts. Arguments and result as experts_loop's."""
-    k = experts.shape[1]
-    order = experts.flatten().argsort(stable=True)  # (N k,) the pairs, grouped by expert
-    token = order // k  # each sorted pair's token
-    ends = torch.bincount(experts.flatten(), minlength=gate_up_proj.shape[0]).cumsum(0).to(torch.int32)  # (E,)
+    order, token, ends = sort_by_expert(experts, gate_up_proj.shape[0])  # (N k,), (N k,), (E,)
     gate, up = grouped_matmul(x[token], gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)  # (N k, I) each
     y = grouped_matmul(F.silu(gate) * up, down_proj.transpose(1, 2), ends)  # (N k, h)
     return torch.zeros_like(x).index_add_(0, token, y * weights.flatten()[order, None])

@@ -89,6 +89,21 @@ def embedding_and_head(model: CausalLM, quantize: str | None, group_size: int,
     return fast_int8_table(weight, kernel)  # tied and quantized: int8 rows shared by lookup and head
 
 
+class FusedMLP(nn.Module):
+    """Notebook 04's SwiGLU MLP with gate and up fused into one matrix: one weight read, one kernel call.
+    `q` makes each linear as the fast model asks (float, int8 or int4; FastLayer's below)."""
+
+    def __init__(self, mlp, q):
+        super().__init__()
+        self.intermediate_size = mlp.down_proj.in_features  # I
+        self.gate_up_proj = q(fuse_linears(mlp.gate_proj, mlp.up_proj), "mlp.gate_up_proj")  # h -> 2 I
+        self.down_proj = q(mlp.down_proj, "mlp.down_proj")  # I -> h
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, h) -> (B, T, h)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, -1)  # (B, T, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
 class FastLayer(nn.Module):
     """One decoder layer, rebuilt: fused qkv and gate_up, RoPE on q and k together, SDPA with GQA."""
 
@@ -97,7 +112,7 @@ class FastLayer(nn.Module):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.H, self.Hkv, self.D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.intermediate_size, self.eps = config.intermediate_size, config.rms_norm_eps
+        self.eps = config.rms_norm_eps
         self.input_norm = layer.input_layernorm.weight  # (h,)
         self.post_norm = layer.post_attention_layernorm.weight  # (h,)
         self.q_norm = None if attn.q_norm is None else attn.q_norm.weight  # (D,), Qwen3
@@ -108,8 +123,10 @@ class FastLayer(nn.Module):
 
         self.qkv_proj = q(fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj), "qkv_proj")  # h -> (H + 2 Hkv) D
         self.o_proj = q(attn.o_proj, "o_proj")
-        self.gate_up_proj = q(fuse_linears(mlp.gate_proj, mlp.up_proj), "gate_up_proj")  # h -> 2 I
-        self.down_proj = q(mlp.down_proj, "down_proj")
+        self.mlp = self.fast_mlp(mlp, q, quantize)  # FusedMLP; notebook 23's experts build their own here
+
+    def fast_mlp(self, mlp, q, quantize: str | None) -> nn.Module:
+        return FusedMLP(mlp, q)  # quantize (None: float) is for subclasses: q already applies it
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, pos: int, causal: bool) -> Tensor:
         B, T, h = x.shape
@@ -131,8 +148,7 @@ class FastLayer(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  enable_gqa=True)  # (B, H, T, D)
         x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, h)
-        gate, up = self.gate_up_proj(F.rms_norm(x, (h,), self.post_norm, self.eps)).split(self.intermediate_size, -1)
-        return x + self.down_proj(F.silu(gate) * up)  # (B, T, I) -> (B, T, h)
+        return x + self.mlp(F.rms_norm(x, (h,), self.post_norm, self.eps))  # (B, T, h)
 
 
 def validate_fast_model(model, quantize) -> None:
@@ -147,10 +163,11 @@ class FastCausalLM(nn.Module):
     """CausalLM's forward contract, rebuilt for speed from a loaded CausalLM (see the module docstring).
 
     quantize: None (the model's own dtype), "int8" (per channel) or "int4" (group-wise, group_size);
-    kernel: "auto", "packed" or "reference" for the quantized layers (see minillm.speed.quant).
-    Quantized, a tied embedding/head becomes one int8 table (per-row scales) for both uses.
-    The projections are copied (fused); norms (and unquantized embeddings) are shared with `model`.
+    kernel: "auto", "packed" or "reference" for the quantized layers (see minillm.speed.quant). Projections
+    are copied (fused); a tied head, quantized, shares one int8 table with the embedding; norms are shared.
     """
+
+    layer_class = FastLayer  # notebook 23's mixture of experts swaps in its own
 
     def __init__(self, model: CausalLM, quantize: str | None = None, group_size: int = 32, kernel: str = "auto"):
         super().__init__()
@@ -158,7 +175,7 @@ class FastCausalLM(nn.Module):
         self.config = config = model.config
         self.quantize = quantize
         self.embed_tokens, self.lm_head = embedding_and_head(model, quantize, group_size, kernel)
-        self.layers = nn.ModuleList(FastLayer(layer, config, quantize, group_size, f"model.layers.{i}", kernel)
+        self.layers = nn.ModuleList(self.layer_class(layer, config, quantize, group_size, f"model.layers.{i}", kernel)
                                     for i, layer in enumerate(model.model.layers))
         self.norm = model.model.norm.weight  # (h,)
         weight = model.model.embed_tokens.weight  # (V, h): its device and dtype

@@ -75,12 +75,17 @@ def _validate_int4_buffers(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
                          f"{tuple(qweight.shape)} {qweight.dtype}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
 
 
-def _validate_quantizable(model: nn.Module, mode: str, group_size: int, kernel: str) -> None:
+def _validate_quantizable(model: nn.Module, mode: str, group_size: int, kernel: str, quantize_mlp=None) -> None:
     """quantize_model's checks, all before any layer is replaced: a refused model is left as it was."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    other = [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "gate_proj")]
+    if other and quantize_mlp is None:
+        i, mlp = other[0]
+        raise ValueError(f"model.layers.{i}.mlp is {type(mlp).__name__}, not notebook 04's MLP: pass quantize_mlp "
+                         "(for a mixture of experts, notebook 23's quantize_moe_model does)")
     for name, parent, attr in _linears(model):
         if not isinstance(getattr(parent, attr), nn.Linear):
             raise ValueError(f"{name} is {type(getattr(parent, attr)).__name__}, not nn.Linear: already quantized?")
@@ -261,12 +266,14 @@ LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(full name, parent module, attribute) of every decoder-layer linear."""
+    """(full name, parent module, attribute) of every decoder-layer linear; an MLP without gate_proj
+    (notebook 23's experts) is not listed: quantize_model's quantize_mlp takes it whole."""
     out = []
     for i, layer in enumerate(model.model.layers):
         for path in LINEAR_NAMES:
             parent, attr = path.split(".")
-            out.append((f"model.layers.{i}.{path}", getattr(layer, parent), attr))
+            if parent != "mlp" or hasattr(layer.mlp, "gate_proj"):
+                out.append((f"model.layers.{i}.{path}", getattr(layer, parent), attr))
     return out
 
 
@@ -294,10 +301,16 @@ def quantize_linear(linear: nn.Linear, mode: str | None, group_size: int = 32, n
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str, group_size: int = 32, kernel: str = "auto") -> nn.Module:
+def quantize_model(model: nn.Module, mode: str, group_size: int = 32, kernel: str = "auto",
+                   quantize_mlp=None) -> nn.Module:
     """Replace a CausalLM's linears and head by Int8Linear or Int4Linear, in place; the embedding
-    becomes int8 rows, shared by a tied head. Every layer is checked before any is replaced."""
-    _validate_quantizable(model, mode, group_size, kernel)
+    becomes int8 rows, shared by a tied head. Every layer is checked before any is replaced.
+
+    quantize_mlp(mlp, mode, group_size, name, kernel) -> module: for an MLP of another kind (no gate_proj)."""
+    _validate_quantizable(model, mode, group_size, kernel, quantize_mlp)
+    for i, layer in enumerate(model.model.layers):
+        if not hasattr(layer.mlp, "gate_proj"):  # checked above: quantize_mlp was given
+            layer.mlp = quantize_mlp(layer.mlp, mode, group_size, f"model.layers.{i}.mlp", kernel)
     for name, parent, attr in _linears(model):
         setattr(parent, attr, quantize_linear(getattr(parent, attr), mode, group_size, name, kernel))
     if model.lm_head is not None:

@@ -163,6 +163,6 @@ def test_load_fast_quantized_returns_the_fast_model():
     from minillm.speed.cpu_kernel import Int4DotLinear
 
     llm = minillm.load(fast=True, quantize="int4")
-    assert isinstance(llm.model, FastCausalLM) and isinstance(llm.model.layers[0].gate_up_proj, Int4DotLinear)
+    assert isinstance(llm.model, FastCausalLM) and isinstance(llm.model.layers[0].mlp.gate_up_proj, Int4DotLinear)
     reply = llm.chat([{"role": "user", "content": "Name a color."}], max_new_tokens=4)
     assert len(reply.token_ids) >= 1 and reply.metrics.generated_tokens == len(reply.token_ids)
