@@ -29,8 +29,7 @@ from minillm.runtime.generate import Completion, Step, collect
 from minillm.runtime.hybrid_engine import HybridEngine
 from minillm.runtime.llm import load_tokenizer
 from minillm.runtime.sampling import SamplingParams
-from minillm.runtime.speculative import ModelDrafter, NgramDrafter, int4_drafter
-from minillm.runtime.speculative import stream as speculative_stream
+from minillm.runtime.speculative import ModelDrafter, NgramDrafter, int4_drafter, stream as speculative_stream
 from minillm.speed.fast import FastCausalLM
 from minillm.speed.moe import FastMoeCausalLM, quantize_moe_model
 from minillm.speed.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
@@ -143,8 +142,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype | str | None = None
     elif quantize == "gguf":
         net = load_gguf_quantized(path)  # notebook 12: the file's own Q4_0/Q4_1/Q8_0 blocks, never floats
     elif hybrid or moe:  # their own loaders: notebooks 22 and 23 for a folder, appendices A5 and A7 for a .gguf
-        gguf_loader, folder_loader = (load_moe_gguf, load_moe_folder) if moe else (load_hybrid_gguf, load_hybrid_folder)
-        own_loader = gguf_loader if gguf_file else folder_loader
+        own_loader = ((load_moe_gguf, load_moe_folder) if moe else (load_hybrid_gguf, load_hybrid_folder))[not gguf_file]
         net = own_loader(path, dtype=dtype, device=None if device is None else parse_device(device))
         net = _weight_options(net, quantize, group_size, fast, compile)  # notebook 23's quantized experts
     else:

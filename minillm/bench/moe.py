@@ -26,7 +26,13 @@ threads. Rows (section "moe"; variant "readable": MoeCausalLM, its experts group
   notebook 17's Engine, against transformers' generate on them as one left-padded batch.
 - experts, one layer (ms, n = tokens routed: 1 and 16): layer 0's experts on random tokens routed by
   its own router: minillm's grouped form ("grouped") and its readable loop ("loop"), against
-  transformers' Qwen3MoeExperts running grouped_mm and eager respectively; the best of --repeats.
+  transformers' Qwen3MoeExperts running grouped_mm and eager respectively; and notebook 23's int4
+  QuantizedExperts ("int4", on appendix A4's kernel where it builds) against grouped_mm; the best of
+  --repeats.
+
+Variants "fast", "fast-int8" and "fast-int4" (notebook 23's FastMoeCausalLM, its experts in float32,
+int8 or int4): time to first token, prefill and decode as above, and greedy agreement, each beside
+transformers' float model of the same run (quantized experts agree only as far as rounding lets them).
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ import time
 import torch
 
 from minillm.bench.engine import mixed_engine_row
-from minillm.bench.peers import (IdsOnly, fresh_first_generate, minillm_runner, prompt_ids, single_request_rows,
-                                 transformers_runner)
+from minillm.bench.peers import (IdsOnly, fresh_first_generate, leading_agreement, measure, minillm_runner, prompt_ids,
+                                 single_request_rows, transformers_runner)
 from minillm.model.moe import MoeCausalLM, MoeConfig, experts_grouped, experts_loop
+from minillm.speed.moe import FastMoeCausalLM
 
 SEED = 0
 LAYERS = 2
@@ -47,12 +54,13 @@ QWEN3_30B_A3B_LAYERS = dict(  # Qwen/Qwen3-30B-A3B's config.json, but for LAYERS
     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
     norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
     tie_word_embeddings=True, initializer_range=0.05)
-TINY = dict(  # data/qwen3_moe-tiny's config, at std 0.3 (as the qwen3_5 section's tiny shape)
+TINY = dict(  # data/qwen3_moe-tiny's config, at std 0.3 (as the qwen3_5 section's tiny shape), experts 32 wide (int4's groups)
     vocab_size=192, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+    num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
     norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
     tie_word_embeddings=True, initializer_range=0.3)
 ROUTED = (1, 16)  # tokens through one layer's experts: a decode step alone, and a batch of 16
+FAST = {"fast": None, "fast-int8": "int8", "fast-int4": "int4"}  # variant: FastMoeCausalLM's quantize
 
 
 def build_pair(shape: dict, dtype: torch.dtype, hf_classes) -> tuple[MoeCausalLM, torch.nn.Module]:
@@ -80,9 +88,25 @@ def best_ms(fn, repeats: int) -> float:
     return min(times) * 1e3
 
 
+def fast_rows(ours: MoeCausalLM, prompts: dict, theirs: dict, args, row) -> dict:
+    """FAST's variants, one request at a time, beside transformers' measure() of the same run; returns the models."""
+    built = {}
+    for variant, quantize in FAST.items():
+        built[variant] = model = FastMoeCausalLM(ours, quantize=quantize).eval()
+        mine = measure(minillm_runner(model, IdsOnly()), prompts, args.tokens, args.repeats)
+        for L in sorted(prompts):
+            row("moe", variant, "time to first token", "ms", mine["ttft_s"][L] * 1e3, theirs["ttft_s"][L] * 1e3, n=L)
+            row("moe", variant, "prefill", "tok/s", L / mine["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
+        row("moe", variant, "decode", "tok/s", mine["decode_tok_s"], theirs["decode_tok_s"], n=args.tokens)
+        row("moe", variant, "greedy agreement", "tokens", leading_agreement(mine["decode_ids"], theirs["decode_ids"]),
+            len(theirs["decode_ids"]), n=args.tokens)
+    return built
+
+
 @torch.no_grad()
-def expert_rows(ours: MoeCausalLM, hf, args, row) -> None:
-    """Layer 0's experts alone: minillm's grouped form and loop against transformers' grouped_mm and eager."""
+def expert_rows(ours: MoeCausalLM, hf, int4_experts, args, row) -> None:
+    """Layer 0's experts alone: minillm's grouped form and loop against transformers' grouped_mm and eager,
+    and int4_experts (that layer's QuantizedExperts) against grouped_mm."""
     block, theirs = ours.model.layers[0].mlp, hf.model.layers[0].mlp.experts
     generator = torch.Generator().manual_seed(SEED)
     for n in ROUTED:
@@ -98,6 +122,9 @@ def expert_rows(ours: MoeCausalLM, hf, args, row) -> None:
             finally:
                 hf.config._experts_implementation = saved
             row("moe", variant, "experts, one layer", "ms", mine, hf_ms, n=n)
+            if variant == "grouped":  # the int4 experts against the same grouped_mm time
+                row("moe", "int4", "experts, one layer", "ms", best_ms(lambda: int4_experts(x, weights, experts),
+                                                                       args.repeats), hf_ms, n=n)
 
 
 def moe_rows(args, row, hf_classes) -> str:
@@ -116,7 +143,8 @@ def moe_rows(args, row, hf_classes) -> str:
     sides = {"transformers": transformers_runner(hf, eos_token_id=None), "minillm": minillm_runner(ours, IdsOnly())}
     first = {side: fresh_first_generate(side, build_pair, (shape, dtype, hf_classes), prompts[lengths[0]], tokens)
              for side in sides}
-    single_request_rows("moe", sides, first, prompts, tokens, args.repeats, row)
+    theirs = single_request_rows("moe", sides, first, prompts, tokens, args.repeats, row)
     mixed_engine_row("moe", ours, hf, args, row, IdsOnly())
-    expert_rows(ours, hf, args, row)
+    fast = fast_rows(ours, prompts, theirs, args, row)
+    expert_rows(ours, hf, fast["fast-int4"].layers[0].mlp.experts, args, row)
     return f"{name}, random weights (seed {SEED}, std {hf.config.initializer_range})"

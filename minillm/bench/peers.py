@@ -115,10 +115,11 @@ def _first_generate(side, build, build_args, threads, prompt, tokens, generate_k
 
 
 def single_request_rows(section: str, sides: dict, first: dict, prompts: dict[int, list[int]], tokens: int,
-                        repeats: int, row) -> None:
+                        repeats: int, row) -> dict:
     """One request at a time, minillm beside transformers (the qwen3_5 and moe sections): each side's
     first generate (`first`: seconds from fresh_first_generate) and the same call warm, time to first
-    token and prefill at each prompt length, decode tok/s, greedy agreement and distinct tokens."""
+    token and prefill at each prompt length, decode tok/s, greedy agreement and distinct tokens.
+    Returns transformers' measure(), for rows of other variants beside the same run."""
     theirs, mine = (measure(sides[side], prompts, tokens, repeats) for side in ("transformers", "minillm"))
     row(section, "readable", "first generate", "s", first["minillm"], first["transformers"], n=tokens)
     row(section, "readable", "generate", "s", mine["generate_s"], theirs["generate_s"], n=tokens)
@@ -129,6 +130,7 @@ def single_request_rows(section: str, sides: dict, first: dict, prompts: dict[in
     a, b = mine["decode_ids"], theirs["decode_ids"]
     row(section, "readable", "greedy agreement", "tokens", leading_agreement(a, b), len(b), n=tokens)
     row(section, "readable", "distinct tokens", "tokens", len(set(a)), len(set(b)), n=tokens)
+    return theirs
 
 def llamacpp_runner(gguf: Path, threads: int, context: int):
     """llama.cpp's greedy decoding of exactly n tokens on `gguf`; ImportError (naming the install) if absent."""
