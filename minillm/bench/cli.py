@@ -224,7 +224,7 @@ def run_benchmark(args) -> dict:
         return result(args, qwen3_5_rows(args, row, (Qwen3_5TextConfig, Qwen3_5ForCausalLM)), args.dtype, skipped, {}, rows)
     if what == "moe":  # the same: a model of its own
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-        return result(args, moe_rows(args, row, (Qwen3MoeConfig, Qwen3MoeForCausalLM)), args.dtype, skipped, {}, rows)
+        return result(args, moe_rows(args, row, (Qwen3MoeConfig, Qwen3MoeForCausalLM), skipped), args.dtype, skipped, {}, rows)
     sides = load_sides(args)
     config, dtype = sides.model.config, next(sides.model.parameters()).dtype
     context, decode_prompt = config.max_position_embeddings, min(args.prompt_lengths)
@@ -384,7 +384,7 @@ def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     add("--repeats", type=positive("--repeats"), default=d(2), help="best of this many runs (default 2)")
     add("--group-size", type=positive("--group-size"), default=d(32), help="int4 group size (default 32)")
     add("--peers", nargs="+", choices=["llama.cpp"], default=d([]),
-        help="decode: also time llama.cpp on the same GGUF (llama-cpp-python, an optional extra; see bench_peers)")
+        help="decode, moe: also time llama.cpp on the same GGUF (llama-cpp-python, an optional extra; see bench_peers)")
     add_serve_flags(add, d, positive)
 
 

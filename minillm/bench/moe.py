@@ -33,19 +33,30 @@ threads. Rows (section "moe"; variant "readable": MoeCausalLM, its experts group
 Variants "fast", "fast-int8" and "fast-int4" (notebook 23's FastMoeCausalLM, its experts in float32,
 int8 or int4): time to first token, prefill and decode as above, and greedy agreement, each beside
 transformers' float model of the same run (quantized experts agree only as far as rounding lets them).
+
+With --peers llama.cpp (llama-cpp-python, an optional extra: absent, the reason is under "skipped"), the
+same weights are written as llama.cpp's qwen3moe GGUF file in float32 (appendix A7's writer) and quantized from
+it by llama.cpp's own llama_model_quantize to Q8_0 and Q4_1 (LLAMA_CPP_TYPES): variants "llama.cpp F32",
+"llama.cpp Q8_0", "llama.cpp Q4_1" get time to first token, prefill, decode and greedy agreement beside
+transformers as above, and each minillm variant of the same precision a row "decode vs llama.cpp TYPE"
+(its decode tok/s against llama.cpp's).
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from minillm.bench.engine import mixed_engine_row
-from minillm.bench.peers import (IdsOnly, fresh_first_generate, leading_agreement, measure, minillm_runner, prompt_ids,
-                                 single_request_rows, transformers_runner)
+from minillm.bench.peers import (IdsOnly, fresh_first_generate, leading_agreement, llamacpp_quantize, llamacpp_runner,
+                                 measure, minillm_runner, prompt_ids, require_llama_cpp, single_request_rows,
+                                 transformers_runner)
 from minillm.model.moe import MoeCausalLM, MoeConfig, experts_grouped, experts_loop
 from minillm.speed.moe import FastMoeCausalLM
+from minillm.weights.moe_gguf_write import gguf_tensors_of, write_qwen3moe_gguf
 
 SEED = 0
 LAYERS = 2
@@ -61,6 +72,7 @@ TINY = dict(  # data/qwen3_moe-tiny's config, at std 0.3 (as the qwen3_5 section
     tie_word_embeddings=True, initializer_range=0.3)
 ROUTED = (1, 16)  # tokens through one layer's experts: a decode step alone, and a batch of 16
 FAST = {"fast": None, "fast-int8": "int8", "fast-int4": "int4"}  # variant: FastMoeCausalLM's quantize
+LLAMA_CPP_TYPES = {"F32": ("readable", "fast"), "Q8_0": ("fast-int8",), "Q4_1": ("fast-int4",)}  # beside minillm's
 
 
 def build_pair(shape: dict, dtype: torch.dtype, hf_classes) -> tuple[MoeCausalLM, torch.nn.Module]:
@@ -88,19 +100,52 @@ def best_ms(fn, repeats: int) -> float:
     return min(times) * 1e3
 
 
-def fast_rows(ours: MoeCausalLM, prompts: dict, theirs: dict, args, row) -> dict:
-    """FAST's variants, one request at a time, beside transformers' measure() of the same run; returns the models."""
+def variant_rows(variant: str, mine: dict, theirs: dict, tokens: int, row) -> None:
+    """Time to first token and prefill at each prompt length, decode and greedy agreement: `mine` (a
+    measure()) beside transformers' measure() of the same run."""
+    for L in sorted(mine["ttft_s"]):
+        row("moe", variant, "time to first token", "ms", mine["ttft_s"][L] * 1e3, theirs["ttft_s"][L] * 1e3, n=L)
+        row("moe", variant, "prefill", "tok/s", L / mine["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
+    row("moe", variant, "decode", "tok/s", mine["decode_tok_s"], theirs["decode_tok_s"], n=tokens)
+    row("moe", variant, "greedy agreement", "tokens", leading_agreement(mine["decode_ids"], theirs["decode_ids"]),
+        len(theirs["decode_ids"]), n=tokens)
+
+
+def fast_rows(ours: MoeCausalLM, prompts: dict, theirs: dict, decoded: dict, args, row) -> dict:
+    """FAST's variants, one request at a time, beside transformers' measure() of the same run; returns the
+    models, and puts each variant's decode tok/s in `decoded`."""
     built = {}
     for variant, quantize in FAST.items():
         built[variant] = model = FastMoeCausalLM(ours, quantize=quantize).eval()
         mine = measure(minillm_runner(model, IdsOnly()), prompts, args.tokens, args.repeats)
-        for L in sorted(prompts):
-            row("moe", variant, "time to first token", "ms", mine["ttft_s"][L] * 1e3, theirs["ttft_s"][L] * 1e3, n=L)
-            row("moe", variant, "prefill", "tok/s", L / mine["ttft_s"][L], L / theirs["ttft_s"][L], n=L)
-        row("moe", variant, "decode", "tok/s", mine["decode_tok_s"], theirs["decode_tok_s"], n=args.tokens)
-        row("moe", variant, "greedy agreement", "tokens", leading_agreement(mine["decode_ids"], theirs["decode_ids"]),
-            len(theirs["decode_ids"]), n=args.tokens)
+        variant_rows(variant, mine, theirs, args.tokens, row)
+        decoded[variant] = mine["decode_tok_s"]
     return built
+
+
+def llamacpp_rows(ours: MoeCausalLM, prompts: dict, theirs: dict, decoded: dict, args, row, skipped: dict) -> None:
+    """--peers llama.cpp: the same weights as GGUF files, in llama.cpp's float32 and its own Q8_0 and Q4_1,
+    one at a time (each file's model freed before the next is made)."""
+    try:
+        require_llama_cpp()  # before a file of several GB is written for it
+    except ImportError as e:
+        skipped["moe: llama.cpp"] = f"skipped: {e}"
+        return
+    threads, context = torch.get_num_threads(), max(prompts) + args.tokens + 8
+    with tempfile.TemporaryDirectory(prefix="minillm-moe-gguf-") as folder:
+        tied = ours.config.tie_word_embeddings  # llama.cpp ties by absence
+        state = {n: t for n, t in ours.state_dict().items() if not (tied and n == "lm_head.weight")}
+        f32 = write_qwen3moe_gguf(ours.config, gguf_tensors_of(state, ours.config.num_experts), Path(folder) / "F32.gguf")
+        del state
+        for qtype, beside in LLAMA_CPP_TYPES.items():
+            path = f32 if qtype == "F32" else llamacpp_quantize(f32, Path(folder) / f"{qtype}.gguf", qtype, threads)
+            run = llamacpp_runner(path, threads, context)
+            peer = measure(run, prompts, args.tokens, args.repeats)
+            del run  # llama.cpp's model and context, before the next file's
+            variant_rows(f"llama.cpp {qtype}", peer, theirs, args.tokens, row)
+            for variant in beside:
+                row("moe", variant, f"decode vs llama.cpp {qtype}", "tok/s", decoded[variant], peer["decode_tok_s"],
+                    n=args.tokens)
 
 
 @torch.no_grad()
@@ -127,7 +172,7 @@ def expert_rows(ours: MoeCausalLM, hf, int4_experts, args, row) -> None:
                                                                        args.repeats), hf_ms, n=n)
 
 
-def moe_rows(args, row, hf_classes) -> str:
+def moe_rows(args, row, hf_classes, skipped: dict) -> str:
     """Rows of the moe section (the module docstring); returns the model's name, in words."""
     if args.model:
         raise SystemExit("error: moe builds its own model (random weights of a Qwen3-MoE shape): --model does not apply")
@@ -143,8 +188,11 @@ def moe_rows(args, row, hf_classes) -> str:
     sides = {"transformers": transformers_runner(hf, eos_token_id=None), "minillm": minillm_runner(ours, IdsOnly())}
     first = {side: fresh_first_generate(side, build_pair, (shape, dtype, hf_classes), prompts[lengths[0]], tokens)
              for side in sides}
-    theirs = single_request_rows("moe", sides, first, prompts, tokens, args.repeats, row)
+    theirs, readable = single_request_rows("moe", sides, first, prompts, tokens, args.repeats, row)
     mixed_engine_row("moe", ours, hf, args, row, IdsOnly())
-    fast = fast_rows(ours, prompts, theirs, args, row)
+    decoded = {"readable": readable["decode_tok_s"]}  # variant: decode tok/s, for the llama.cpp rows
+    fast = fast_rows(ours, prompts, theirs, decoded, args, row)
     expert_rows(ours, hf, fast["fast-int4"].layers[0].mlp.experts, args, row)
+    if "llama.cpp" in args.peers:
+        llamacpp_rows(ours, prompts, theirs, decoded, args, row, skipped)
     return f"{name}, random weights (seed {SEED}, std {hf.config.initializer_range})"

@@ -13,6 +13,7 @@ every side the same way: decode tok/s = (n - 1) / (t(n) - t(1)).
 
 from __future__ import annotations
 
+import ctypes
 import getpass
 import multiprocessing
 import os
@@ -119,7 +120,7 @@ def single_request_rows(section: str, sides: dict, first: dict, prompts: dict[in
     """One request at a time, minillm beside transformers (the qwen3_5 and moe sections): each side's
     first generate (`first`: seconds from fresh_first_generate) and the same call warm, time to first
     token and prefill at each prompt length, decode tok/s, greedy agreement and distinct tokens.
-    Returns transformers' measure(), for rows of other variants beside the same run."""
+    Returns (transformers' measure(), minillm's), for rows of other variants beside the same run."""
     theirs, mine = (measure(sides[side], prompts, tokens, repeats) for side in ("transformers", "minillm"))
     row(section, "readable", "first generate", "s", first["minillm"], first["transformers"], n=tokens)
     row(section, "readable", "generate", "s", mine["generate_s"], theirs["generate_s"], n=tokens)
@@ -130,14 +131,22 @@ def single_request_rows(section: str, sides: dict, first: dict, prompts: dict[in
     a, b = mine["decode_ids"], theirs["decode_ids"]
     row(section, "readable", "greedy agreement", "tokens", leading_agreement(a, b), len(b), n=tokens)
     row(section, "readable", "distinct tokens", "tokens", len(set(a)), len(set(b)), n=tokens)
-    return theirs
+    return theirs, mine
+
+def require_llama_cpp():
+    """The llama_cpp module, imported on use (an optional peer, not a requirement); ImportError naming the
+    install if absent."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ImportError(f"llama-cpp-python is not installed ({e}): {LLAMA_CPP_INSTALL}") from None
+    return llama_cpp
+
 
 def llamacpp_runner(gguf: Path, threads: int, context: int):
     """llama.cpp's greedy decoding of exactly n tokens on `gguf`; ImportError (naming the install) if absent."""
-    try:  # imported on use: an optional peer, not a requirement
-        from llama_cpp import Llama, llama_get_logits
-    except ImportError as e:
-        raise ImportError(f"llama-cpp-python is not installed ({e}): {LLAMA_CPP_INSTALL}") from None
+    llama_cpp = require_llama_cpp()
+    Llama, llama_get_logits = llama_cpp.Llama, llama_cpp.llama_get_logits
     llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=context,
                 logits_all=False, verbose=False)
     vocab = llm.n_vocab()
@@ -154,6 +163,17 @@ def llamacpp_runner(gguf: Path, threads: int, context: int):
                 return time.perf_counter() - t0, out
             llm.eval(out[-1:])
     return run
+
+
+def llamacpp_quantize(source: Path, out: Path, qtype: str, threads: int) -> Path:
+    """llama.cpp's own quantization (llama_model_quantize) of GGUF `source` to `qtype` ("Q8_0", "Q4_1", ...)
+    at `out`; ImportError (naming the install) if llama-cpp-python is absent."""
+    llama_cpp = require_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}"), threads
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {qtype}")
+    return out
 
 
 def compile_cache_per_kernels() -> None:
