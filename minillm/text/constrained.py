@@ -19,6 +19,12 @@ import torch
 from minillm.text.grammar import DFA, UnsupportedSchema, lit, schema_pattern, seq
 
 
+def token_bytes_of(tokenizer, vocab_size: int) -> list[bytes]:
+    """Each token's bytes, special tokens as none (a grammar never writes them); vocab_size is the model's."""
+    return [b"" if i in tokenizer.special_ids else tokenizer.token_bytes(i)
+            for i in range(min(tokenizer.vocab_size, vocab_size))]
+
+
 class Vocabulary:
     """The tokens' bytes in a trie (node: ({byte: child}, [token ids ending here])), special tokens left out;
     vocab_size is the model's."""
@@ -26,8 +32,7 @@ class Vocabulary:
     def __init__(self, tokenizer, vocab_size: int):
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(tokenizer.eos_token_ids)
         self.root: tuple[dict, list] = ({}, [])
-        self.token_bytes = [b"" if i in tokenizer.special_ids else tokenizer.token_bytes(i)
-                            for i in range(min(tokenizer.vocab_size, vocab_size))]
+        self.token_bytes = token_bytes_of(tokenizer, vocab_size)
         for token_id, data in enumerate(self.token_bytes):
             node = self.root
             for b in data:
@@ -85,6 +90,72 @@ class GuidanceConstraint:
         self.matcher.consume_token(token_id)
 
 
+def scan_keys(state: tuple, data: bytes) -> tuple[tuple, bool]:
+    """(state after `data`, whether a key closed that its object already had). state: (bytes of the prefix
+    still to skip, the open containers as (is_object, keys, a key comes next), the key being read or None)."""
+    skip, stack, key = state
+    in_string = escape = repeated = False
+    if key is not None:  # inside a string: key holds (bytes so far, is_key, escape pending)
+        in_string, (text, is_key, escape) = True, key
+    for b in data:
+        if skip:
+            skip -= 1
+        elif in_string:
+            if escape or b not in b'\\"':
+                text, escape = (text + bytes([b]) if is_key else text), False
+            elif b == 0x5C:  # backslash: the next byte is escaped
+                text, escape = (text + b"\\" if is_key else text), True
+            else:  # the closing quote
+                in_string = False
+                if is_key:
+                    name, (_, keys, _) = key_text(text), stack[-1]
+                    repeated = repeated or name in keys
+                    stack = (*stack[:-1], (True, keys | {name}, False))
+        elif b == 0x22:  # an opening quote: a key if an object waits for one
+            in_string, text, escape = True, b"", False
+            is_key = bool(stack) and stack[-1][0] and stack[-1][2]
+        elif b in b"{[":
+            stack = (*stack, (b == 0x7B, frozenset(), b == 0x7B))
+        elif b in b"}]":
+            stack = stack[:-1]
+        elif b == 0x2C and stack and stack[-1][0]:  # a comma in an object: a key comes next
+            stack = (*stack[:-1], (True, stack[-1][1], True))
+    return (skip, stack, (text, is_key, escape) if in_string else None), repeated
+
+
+def key_text(raw: bytes) -> str:
+    """A key's text with JSON's escapes read (\\u0061 and a are one key)."""
+    try:
+        return json.loads(b'"' + raw + b'"')
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+class UniqueKeys:
+    """Any constraint, with no key written twice in one object: the keys are tracked beside the grammar
+    (scan_keys), and a token that would close a key its object already has is masked out."""
+
+    def __init__(self, inner, token_bytes: list[bytes], quoted: torch.Tensor, prefix: str):
+        self.inner, self.token_bytes, self.quoted = inner, token_bytes, quoted  # quoted: (V,) bool, holds a '"'
+        self.state = (len(prefix.encode()), (), None)
+
+    def mask(self) -> torch.Tensor:
+        mask = self.inner.mask()
+        if not any(keys for is_object, keys, _ in self.state[1] if is_object):  # no key yet: none can repeat
+            return mask
+        candidates = (mask & self.quoted).nonzero().flatten().tolist()  # only a quote can close a key
+        repeats = [t for t in candidates if scan_keys(self.state, self.token_bytes[t])[1]]
+        if repeats:
+            mask = mask.clone()  # the inner mask may be cached and shared
+            mask[repeats] = False
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        self.inner.advance(token_id)
+        if token_id < len(self.token_bytes):
+            self.state = scan_keys(self.state, self.token_bytes[token_id])[0]
+
+
 def validate_response_format(response_format) -> tuple[dict, str, str] | None:
     """OpenAI's response_format (or a pydantic model class) -> (schema, prefix, suffix), or None for free
     text; minillm's own type "tool_call" ({"schema", "prefix", "suffix"}) forces a function call."""
@@ -139,10 +210,18 @@ class Constraints:
             raise ValueError(f"constraint backend must be one of {self.BACKENDS}, got {backend!r}")
         self.tokenizer, self.vocab_size, self.backend = tokenizer, vocab_size, backend
         self.compiled: dict[str, object] = {}
-        self._vocabulary = self._lltokenizer = None
+        self._vocabulary = self._lltokenizer = self._keys = None
 
-    def for_schema(self, schema: dict, prefix: str = "", suffix: str = ""):
-        """A fresh constraint for prefix + JSON following `schema` + suffix."""
+    def for_schema(self, schema: dict, prefix: str = "", suffix: str = "") -> UniqueKeys:
+        """A fresh constraint for prefix + JSON following `schema` + suffix, no key twice in an object."""
+        if self._keys is None:  # each token's bytes, and which hold a quote
+            token_bytes = token_bytes_of(self.tokenizer, self.vocab_size)
+            quoted = torch.zeros(self.vocab_size, dtype=torch.bool)
+            quoted[[i for i, data in enumerate(token_bytes) if b'"' in data]] = True
+            self._keys = (token_bytes, quoted)
+        return UniqueKeys(self._inner(schema, prefix, suffix), *self._keys, prefix)
+
+    def _inner(self, schema: dict, prefix: str, suffix: str):
         key = json.dumps([schema, prefix, suffix])  # not sorted: key order matters
         if self.backend == "minillm":
             if key not in self.compiled:

@@ -27,10 +27,31 @@ def call_format(tools: list[dict], choice) -> dict | None:
     allowed = [t["function"] for t in tools if not isinstance(choice, dict) or
                t["function"]["name"] == choice["function"]["name"]]
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+              "properties": {"name": {"const": f["name"]}, "arguments": closed_arguments(f.get("parameters") or None)}}
              for f in allowed]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {"type": "tool_call", "schema": schema, "prefix": OPEN, "suffix": CLOSE}
+
+
+def closed_arguments(schema: dict | None) -> dict:
+    """A function's parameters as a forced call follows them (OpenAI's strict mode): every object that lists
+    its properties and says nothing of others gets additionalProperties false, at every depth; none: {} alone."""
+    if schema is None:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):  # name -> schema
+            value = {name: closed_arguments(s) for name, s in value.items()}
+        elif key in ("anyOf", "oneOf", "prefixItems") and isinstance(value, list) and "properties" not in schema:
+            value = [closed_arguments(s) for s in value]  # alternatives; beside properties (or allOf) they'd close each other
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            value = closed_arguments(value)
+        out[key] = value
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def tool_prompt(tools: list[dict]) -> str:

@@ -199,3 +199,42 @@ def test_tools_on_text_completions_are_refused(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"tools": [WEATHER]})
     assert err.value.body["param"] == "tools"
+
+
+OPEN_WEATHER = {"type": "function", "function": {  # as users write tools: the object left open
+    "name": "get_weather", "parameters": {"type": "object", "required": ["city", "unit"],
+                                          "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}}}}}
+
+
+def no_repeats(pairs):
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0, "n": 1}, {"temperature": 1.0, "seed": 5, "n": 4}],
+                         ids=["greedy", "sampled"])
+def test_a_forced_call_on_an_open_schema_ends(client, sampling):
+    """Issue 47's case, as a user meets it: the openai client, a function whose parameters leave the object
+    open, tool_choice="required". Before the arguments were closed, the embedded model went on after the
+    last argument (copying the schema, repeating one key) until max_tokens, and got no call. Now each
+    choice is one call of exactly the declared arguments, no key twice."""
+    done = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Paris?"),
+                                          tools=[OPEN_WEATHER], tool_choice="required", max_tokens=100, **sampling)
+    assert len(done.choices) == sampling["n"]
+    for choice in done.choices:
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        (call,) = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments, object_pairs_hook=no_repeats)
+        assert call.function.name == "get_weather" and set(arguments) == {"city", "unit"}
+        jsonschema.validate(arguments, OPEN_WEATHER["function"]["parameters"])
+
+
+def test_a_forced_call_cut_by_max_tokens_says_length(client):
+    """Cut before it closes, a forced call is no call: finish_reason "length", no tool_calls, and the text
+    written so far in the content, so the caller sees how far it got."""
+    done = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Paris?"),
+                                          tools=[OPEN_WEATHER], tool_choice="required", max_tokens=8, temperature=0)
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content.startswith("<tool_call>\n{")

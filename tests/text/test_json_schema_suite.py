@@ -117,7 +117,7 @@ def test_an_unsatisfiable_or_unsupported_combination_is_refused_by_name(tokenize
 def test_the_mask_is_empty_after_a_forbidden_token(tokenizer):
     """The dead state leads nowhere: before, stepping from it read another state's set (sets[-1])."""
     constraint = Constraints(tokenizer, tokenizer.vocab_size, "minillm").for_schema({"type": "boolean"})
-    assert isinstance(constraint, JSONConstraint)
+    assert isinstance(constraint.inner, JSONConstraint)
     constraint.advance(tokenizer.encode("x")[0])
     assert not constraint.mask().any()
 
