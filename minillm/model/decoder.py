@@ -28,7 +28,7 @@ from minillm.model.attention import attention_mask as build_attention_mask
 from minillm.model.attention import scaled_dot_product_attention
 from minillm.model.devices import on_host
 from minillm.model.layers import MLP, RMSNorm
-from minillm.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from minillm.model.rope import apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from minillm.utils.files import read_json_object
 from minillm.utils.validate import is_number, is_positive_int
 
@@ -242,8 +242,13 @@ class DecoderModel(nn.Module):
 
 
 def rope_frequencies(config: ModelConfig) -> torch.Tensor:
-    """RoPE's inv_freq (D/2,) float32 for a config: the one place that reads its RoPE fields."""
-    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    """RoPE's inv_freq (D/2,) float32 for a config: with rope_scale, the one place that reads its RoPE fields."""
+    return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+
+
+def rope_scale(config: ModelConfig) -> float:
+    """What RoPE's cos and sin are multiplied by: YaRN's attention factor (notebook 03), 1 otherwise."""
+    return rope_attention_factor(config.rope_scaling, config.max_position_embeddings)
 
 
 def padded_positions(attention_mask: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -301,6 +306,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)  # (D/2,), not a weight
+        self.rope_scale = rope_scale(config)  # 1, or YaRN's attention factor
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """inv_freq computed afresh in float32 on `device` (default: where it is), after a cast or to_empty()."""
@@ -323,7 +329,7 @@ class CausalLM(nn.Module):
         if self.inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: RoPE angles need fp32
             self.reset_rope()
         x = self.model.embed_tokens(input_ids)  # (B, T, h)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype=x.dtype)  # (B or 1, T, D)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype=x.dtype, scale=self.rope_scale)  # (B or 1, T, D)
         mask = build_attention_mask(T, S, start_pos, attention_mask, x.device)  # bool, (B or 1, 1, T, S)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos)

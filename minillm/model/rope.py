@@ -16,6 +16,8 @@ References:
   Interpolation" (2023), arXiv:2306.15595 (rope_type "linear").
 - Meta, Llama 3.1 `apply_scaling` (2024) (rope_type "llama3"); transformers'
   modeling_rope_utils.py.
+- B. Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models" (2023),
+  arXiv:2309.00071 (rope_type "yarn"); transformers' `_compute_yarn_parameters`.
 """
 
 from __future__ import annotations
@@ -91,6 +93,18 @@ def _llama3_params(rope_scaling: dict) -> tuple[float, float, float, float]:
     return factor, low, high, old_context
 
 
+def _yarn_params(rope_scaling: dict, max_position_embeddings: int | None) -> tuple[float, float, float, float]:
+    """factor, original_max_position_embeddings (default: the model's context, as transformers),
+    beta_fast (default 32), beta_slow (default 1), each checked."""
+    scaling = {"beta_fast": 32.0, "beta_slow": 1.0, **{k: v for k, v in rope_scaling.items() if v is not None}}
+    scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+    factor, old_context, fast, slow = (_scaling_value(scaling, key, "yarn") for key in
+                                       ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"))
+    if not fast > slow:
+        raise ValueError(f"rope_scaling: beta_fast ({fast}) must be greater than beta_slow ({slow})")
+    return factor, old_context, fast, slow
+
+
 def _base_inv_freq(head_dim: int, rope_theta: float) -> Tensor:
     """theta^(-2i/D) for i = 0..D/2-1, float32, with the same operations as transformers."""
     rope_theta = _validate_head_dim_theta(head_dim, rope_theta)
@@ -106,12 +120,13 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def rope_cos_sin(
-    positions: Tensor, inv_freq: Tensor, dtype: torch.dtype = torch.float32
+    positions: Tensor, inv_freq: Tensor, dtype: torch.dtype = torch.float32, scale: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """cos and sin of position * inv_freq, each (B, T, D) with both halves equal (like HF).
 
     positions: (T,) or (B, T) integers (a 1-D input gives B = 1); inv_freq: (D/2,).
-    The angles are computed in float32; only the results are cast to `dtype`.
+    The angles are computed in float32; only the results are cast to `dtype`. scale multiplies
+    both (YaRN's attention factor, rope_attention_factor; 1 for every other type).
     """
     _validate_positions(positions, inv_freq)
     if positions.ndim == 1:
@@ -119,7 +134,7 @@ def rope_cos_sin(
     inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
     freqs = positions[..., None].float() * inv_freq  # (B, T, 1) * (D/2,) -> (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D): pair (i, i + D/2) shares one angle
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, check: bool = True) -> Tensor:
@@ -136,15 +151,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, check: bool = True) -> Te
     return x * cos + rotate_half(x) * sin
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = None) -> Tensor:
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = None,
+                  max_position_embeddings: int | None = None) -> Tensor:
     """RoPE's angular speeds theta^(-2i/D), i = 0..D/2-1, with `rope_scaling` applied: (D/2,) float32.
 
     rope_scaling is the config's dict, its type under "rope_type" (or the legacy "type"):
     None or "default"; "linear" (factor); "llama3" (factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings). Other keys are ignored; other types raise ValueError.
+    original_max_position_embeddings); "yarn" (factor; original_max_position_embeddings, default
+    max_position_embeddings; beta_fast, beta_slow). Other keys are ignored; other types raise ValueError.
     """
     inv_freq = _base_inv_freq(head_dim, rope_theta)
     if rope_scaling is None:
@@ -156,6 +173,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = 
         return inv_freq / _scaling_value(rope_scaling, "factor", rope_type)
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope_theta, rope_scaling, max_position_embeddings)
     raise ValueError(
         f"rope_scaling type {rope_type!r} is not supported; supported types: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)} (or rope_scaling None)"
@@ -172,3 +191,36 @@ def _llama3_inv_freq(inv_freq: Tensor, rope_scaling: dict) -> Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict, max_position_embeddings: int | None) -> Tensor:
+    """YaRN's speeds: pairs turning more than beta_fast times in the original context kept, fewer than
+    beta_slow divided by factor, a ramp linear in the pair index between (its ends rounded outward)."""
+    factor, old_context, fast, slow = _yarn_params(rope_scaling, max_position_embeddings)
+    half = head_dim // 2  # D/2 pairs
+
+    def pair_turning(turns: float) -> float:  # the (fractional) index of the pair that turns `turns` times
+        return half * math.log(old_context / (2 * math.pi * turns)) / math.log(rope_theta)
+
+    low, high = pair_turning(fast), pair_turning(slow)
+    if rope_scaling.get("truncate", True):  # the ends rounded outward (gpt-oss's configs say false)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(half, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)  # 0 keep .. 1 slow
+    per_speed = rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # 1 / omega_i
+    keep = 1 - ramp  # transformers' order of operations: the angles then agree at 128K positions too
+    return 1.0 / (factor * per_speed) * (1 - keep) + 1.0 / per_speed * keep  # (D/2,)
+
+
+def rope_attention_factor(rope_scaling: dict | None, max_position_embeddings: int | None = None) -> float:
+    """What cos and sin are multiplied by: 1, but for YaRN 0.1 ln(factor) + 1 (or the config's
+    attention_factor, or the ratio of mscale and mscale_all_dim terms), as transformers computes it."""
+    if rope_scaling is None or _rope_type(rope_scaling) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return _scaling_value(rope_scaling, "attention_factor", "yarn")
+    factor = _yarn_params(rope_scaling, max_position_embeddings)[0]
+    m = lambda k: 1.0 if factor <= 1 else 0.1 * k * math.log(factor) + 1.0  # noqa: E731
+    if rope_scaling.get("mscale") and rope_scaling.get("mscale_all_dim"):
+        return m(_scaling_value(rope_scaling, "mscale", "yarn")) / m(_scaling_value(rope_scaling, "mscale_all_dim", "yarn"))
+    return m(1.0)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from minillm.model.attention import attention_mask as build_attention_mask
 from minillm.model.decoder import (CausalLM, ModelConfig, validate_forward_inputs, keep_columns, padded_positions,
-                                   rope_frequencies)
+                                   rope_frequencies, rope_scale)
 from minillm.speed.cpu_kernel import fast_int8_table, fast_quantized_linear
 from minillm.speed.quant import MODES
 
@@ -48,11 +48,13 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
 
 
 def rope_tables(config: ModelConfig, device=None, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-    """cos and sin of every position's RoPE angles, (P, D) each for P = max_position_embeddings."""
+    """cos and sin of every position's RoPE angles (times YaRN's factor, if any), (P, D) each for
+    P = max_position_embeddings."""
     freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32),
                         rope_frequencies(config))  # (P, D/2)
     angles = torch.cat((freqs, freqs), dim=-1).to(device)  # (P, D): pair (i, i + D/2) shares one angle
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    scale = rope_scale(config)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def rope_rows(cos: Tensor, sin: Tensor, positions: Tensor | None, attention_mask: Tensor | None,

@@ -18,6 +18,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from minillm.model.rope import (
     SUPPORTED_ROPE_TYPES,
     apply_rope,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
     rotate_half,
@@ -38,6 +39,21 @@ CASES = {
     "llama3.2-1b": (LlamaRotaryEmbedding, LlamaConfig, dict(hidden_size=2048, num_attention_heads=32, head_dim=64, max_position_embeddings=131072), 64, 5e5, LLAMA3_2),
     "linear-legacy-type": (LlamaRotaryEmbedding, LlamaConfig, dict(hidden_size=512, num_attention_heads=8), 64, 1e4, {"type": "linear", "factor": 4.0}),
     "linear-rope-type": (LlamaRotaryEmbedding, LlamaConfig, dict(hidden_size=1024, num_attention_heads=8), 128, 1e4, {"rope_type": "linear", "factor": 2.5}),
+    # YaRN: Qwen3's 128K setting from its model card; betas and DeepSeek-style mscale terms; a given
+    # attention_factor without the ends' rounding (gpt-oss); original_max_position_embeddings left to default
+    "qwen3-yarn-128k": (Qwen3RotaryEmbedding, Qwen3Config, dict(hidden_size=1024, num_attention_heads=16, head_dim=128,
+                        max_position_embeddings=131072), 128, 1e6,
+                        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    "yarn-betas-mscale": (Qwen3RotaryEmbedding, Qwen3Config, dict(hidden_size=512, num_attention_heads=8, head_dim=64,
+                          max_position_embeddings=32768), 64, 1e4,
+                          {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16,
+                           "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 1.0}),
+    "yarn-factor-untruncated": (LlamaRotaryEmbedding, LlamaConfig, dict(hidden_size=512, num_attention_heads=8,
+                                max_position_embeddings=4096), 64, 1.5e5,
+                                {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048,
+                                 "attention_factor": 1.05, "truncate": False}),
+    "yarn-original-default": (Qwen2RotaryEmbedding, Qwen2Config, dict(hidden_size=512, num_attention_heads=8,
+                              max_position_embeddings=8192), 64, 1e6, {"rope_type": "yarn", "factor": 4.0}),
 }
 
 
@@ -48,6 +64,10 @@ def hf_rotary(name: str):
     return rotary_cls(config), head_dim, theta, scaling
 
 
+def context(name: str) -> int | None:
+    return CASES[name][2].get("max_position_embeddings")
+
+
 def offset_positions() -> torch.Tensor:
     # two sequences at different offsets (a cached decode step), one far out in the context
     return torch.tensor([[0, 1, 2, 3, 4], [37, 38, 39, 40, 41], [30000, 30001, 30002, 30003, 30004]])
@@ -56,14 +76,16 @@ def offset_positions() -> torch.Tensor:
 @pytest.mark.parametrize("name", list(CASES))
 def test_inv_freq_and_cos_sin_match_transformers(name):
     rotary, head_dim, theta, scaling = hf_rotary(name)
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, context(name))
     assert inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32
     torch.testing.assert_close(inv_freq, rotary.inv_freq, atol=1e-6, rtol=1e-6)
-    assert rotary.attention_scaling == 1.0  # the supported types never rescale cos/sin
+    scale = rope_attention_factor(scaling, context(name))  # 1 but for YaRN
+    assert scale == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    assert (scale != 1.0) == (name.startswith(("qwen3-yarn", "yarn")))
 
     positions = offset_positions()
     ref_cos, ref_sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    cos, sin = rope_cos_sin(positions, inv_freq)
+    cos, sin = rope_cos_sin(positions, inv_freq, scale=scale)
     assert cos.shape == sin.shape == (3, 5, head_dim)
     torch.testing.assert_close(cos, ref_cos, atol=1e-6, rtol=0)
     torch.testing.assert_close(sin, ref_sin, atol=1e-6, rtol=0)
@@ -149,7 +171,6 @@ def test_relative_position_property():
 @pytest.mark.parametrize(
     "scaling, name",
     [
-        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, "yarn"),
         ({"type": "dynamic", "factor": 2.0}, "dynamic"),
         ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}, "longrope"),
     ],
