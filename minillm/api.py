@@ -2,11 +2,10 @@
 
 """The front door: `minillm.load(...)` -> `LLM`, with every option the course builds.
 
-Built in notebooks/24_qwen_end_to_end.ipynb on notebook 10's LLM and load (minillm/runtime/llm.py):
-the weight options of notebooks 12 (quantize), 13 (fast, compile), 20 (lora) and 21 (tensor_parallel),
-and the answer options of notebooks 14 (response_format, tools) and 19 (speculative). Every option
-is checked before any file is read. Qwen3.5 (notebook 22) loads by its own loader and decodes with
-its hybrid cache; the options built for the decoder are refused for it, by name.
+Built in notebooks/24_qwen_end_to_end.ipynb on notebook 10's LLM and load (minillm/runtime/llm.py): the
+weight options of notebooks 12 (quantize), 13 (fast, compile), 20 (lora) and 21 (tensor_parallel), the answer
+options of notebooks 14 (response_format, tools) and 19 (speculative), each checked before any file is read.
+Qwen3.5 (notebook 22) loads by its own loader, with its hybrid cache; the decoder's options are refused by name.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from minillm.speed.fast import FastCausalLM
 from minillm.speed.moe import FastMoeCausalLM, quantize_moe_model
 from minillm.speed.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
 from minillm.text.constrained import Constraints
+from minillm.text.chat_template import validate_template_kwargs
 from minillm.text.tool_calls import call_format, encode_with_tools, parse_tool_calls, validate_tools
 from minillm.utils.validate import is_int
 from minillm.weights.embedded import embedded_gguf_path
@@ -94,15 +94,17 @@ def make_drafter(model, speculative):
 
 
 def chat_with_tools(llm: LLM, messages: Sequence[dict], params, tools, tool_choice, template_name=None,
-                    **kwargs) -> Completion:
+                    chat_template_kwargs=None, **kwargs) -> Completion:
     """LLM.chat offering tools: a required call (tool_choice "required" or a named function) is
     forced by a grammar; the calls are returned in tool_calls, the other text as the text."""
     tools, choice = validate_tools(tools, tool_choice)
     forced = call_format(tools, choice)
     if forced is not None and kwargs.get("response_format") is not None:
         raise ValueError("response_format cannot be combined with a required tool_choice")
-    ids = encode_with_tools(llm.tokenizer, list(messages), tools if choice != "none" else [], template_name)
-    completion = collect(llm._steps(ids, params, **{**kwargs, "response_format": forced or kwargs.get("response_format")}))
+    ids = encode_with_tools(llm.tokenizer, list(messages), tools if choice != "none" else [], template_name,
+                            **validate_template_kwargs(chat_template_kwargs))
+    completion = llm.split(collect(llm._steps(ids, params, **{**kwargs, "response_format": forced or kwargs.get("response_format")})),
+                           ids, template_name)  # the reasoning apart first: a call made while thinking is the answer's
     if choice != "none":
         text, completion.tool_calls = parse_tool_calls(completion.text)
         completion.text = text or ""

@@ -158,6 +158,7 @@ class Completion:
     metrics: Metrics
     logprobs: list[float] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)  # notebook 24's LLM.chat(tools=...), parsed as in 14
+    reasoning: str | None = None  # LLM.chat with a template that thinks: the reasoning, apart from text
 
 
 def apply_constraints(logits: torch.Tensor, constraints: Sequence) -> torch.Tensor:

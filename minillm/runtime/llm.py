@@ -19,6 +19,8 @@ from minillm.model.decoder import CausalLM
 from minillm.model.devices import parse_device, parse_dtype
 from minillm.runtime.generate import Completion, PromptLogprobs, Step, collect, prompt_logprobs, stream
 from minillm.runtime.sampling import SamplingParams
+from minillm.text.chat_template import validate_template_kwargs
+from minillm.text.reasoning import opens_thinking, split_reasoning, template_thinks
 from minillm.text.tokenizer import Tokenizer
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.weights.hub import download
@@ -58,10 +60,25 @@ class LLM(PromptScoring):
         """Continue plain text (no chat template)."""
         return collect(self._steps(self.tokenizer.encode(prompt), params, **kwargs))
 
-    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None,
-             template_name: str | None = None, **kwargs) -> Completion:
-        """Answer [{"role", "content"}, ...] by the chat template, or the one named."""
-        return collect(self._steps(self.encode_chat(messages, template_name=template_name), params, **kwargs))
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, template_name: str | None = None,
+             chat_template_kwargs: dict | None = None, **kwargs) -> Completion:
+        """Answer [{"role", "content"}, ...] by the chat template, or the one named, given its variables
+        ({"enable_thinking": False}); a template that thinks gets the reasoning apart (.reasoning)."""
+        template_kwargs = validate_template_kwargs(chat_template_kwargs)
+        ids = self.encode_chat(messages, template_name=template_name, **template_kwargs)
+        return self.split(collect(self._steps(ids, params, **kwargs)), ids, template_name)
+
+    def thinking(self, ids: Sequence[int], template_name: str | None = None) -> bool | None:
+        """None if the chat template does not think, else whether the prompt `ids` left a <think> open."""
+        template = self.tokenizer.chat_templates.get(template_name or "default")
+        return opens_thinking(self.tokenizer.decode(ids[-16:])) if template_thinks(template) else None
+
+    def split(self, completion: Completion, ids: Sequence[int], template_name: str | None = None) -> Completion:
+        """A chat answer with its reasoning (if the template thinks) moved from .text to .reasoning."""
+        thinking = self.thinking(ids, template_name)
+        if thinking is not None:
+            completion.reasoning, completion.text = split_reasoning(completion.text, thinking)
+        return completion
 
     def stream(self, prompt_or_messages, params: SamplingParams | None = None, **kwargs) -> Iterator[str]:
         """Text pieces as they are generated, for a plain prompt (str) or chat messages (list)."""

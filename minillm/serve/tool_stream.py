@@ -16,19 +16,12 @@ import re
 import uuid
 
 from minillm.runtime.engine import Output
+from minillm.text.reasoning import held_back  # notebook 10: the hold-back of a marker's start
 from minillm.serve.openai_protocol import Reply, answer_text, token_logprobs
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 PUNCTUATION = {"{": "{", "}": "}", "[": "[", "]": "]", ":": ": ", ",": ", "}  # as json.dumps separates
 SCALAR = re.compile(r"[-+.0-9A-Za-z]+")  # a number, true, false, null (json.loads checks it)
-
-
-def held_back(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could be the start of `marker`: they wait for more text."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def json_token(text: str, pos: int) -> tuple[str, int] | None:

@@ -311,3 +311,28 @@ def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: 
         raise jinja2.exceptions.TemplateError(f"the chat template raised {type(exc).__name__}: {exc}") from exc
     finally:
         _deadline.reset(token)
+
+
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools", "documents")  # the request's own fields
+TEMPLATE_KWARGS_CHARS = 16_384  # as JSON: far above a handful of switches
+
+
+def validate_template_kwargs(kwargs: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A caller's template variables ({"enable_thinking": False}, ...) checked: names to JSON values, none of
+    RESERVED_TEMPLATE_KWARGS, at most TEMPLATE_KWARGS_CHARS as JSON; ValueError naming `where`. None: {}."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{where} must be an object of template variables, got {type(kwargs).__name__}")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"{where}: {name!r} is not a template variable name (letters, digits and _)")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"{where}.{name} is set from the request itself, not by a template variable")
+    try:
+        size = len(json.dumps(kwargs, allow_nan=False))
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} must hold JSON values only (strings, numbers, booleans, null, lists, objects)") from None
+    if size > TEMPLATE_KWARGS_CHARS:
+        raise ValueError(f"{where} is {size:,} characters as JSON, over the limit of {TEMPLATE_KWARGS_CHARS:,}")
+    return dict(kwargs)

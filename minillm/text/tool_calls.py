@@ -81,14 +81,16 @@ def template_messages(messages: list[dict], tools: list[dict], template_has_tool
     return out
 
 
-def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict], template_name: str | None = None) -> list[int]:
-    """Prompt ids of a chat that offers `tools`: rendered by the template if it can, else by the messages."""
+def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict], template_name: str | None = None,
+                      **template_kwargs) -> list[int]:
+    """Prompt ids of a chat that offers `tools`: rendered by the template if it can, else by the messages
+    (template_kwargs: the template's own variables, checked by the caller)."""
     template = template_named(tokenizer.chat_templates, template_name, tokenizer.source, bool(tools),
                               tokenizer.chat_template)
     has_tools = "tools" in (template or "")
     extra = {"tools": tools} if tools and has_tools else {}
     return tokenizer.apply_chat_template(template_messages(messages, tools, has_tools), template_name=template_name,
-                                         **extra)
+                                         **template_kwargs, **extra)
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
