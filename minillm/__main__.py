@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 from minillm.api import load
+from minillm.text.chat_template import validate_template_kwargs
 from minillm.text.constrained import validate_response_format
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.runtime.generate import stream
@@ -208,7 +209,7 @@ def _print_stream(llm, prompt_ids, args, params, drafter=None, fmt=None) -> tupl
 
 
 def cmd_generate(args) -> int:
-    params = _params(args)  # bad flags fail before the model loads
+    params, template_kwargs = _params(args), _template_kwargs(args)  # bad flags fail before the model loads
     _validate_speculative(args)
     fmt = _response_format(args)
     llm = _load(args, args.lora)
@@ -216,13 +217,13 @@ def cmd_generate(args) -> int:
     if args.raw or not llm.tokenizer.chat_template:
         ids = llm.tokenizer.encode(args.prompt)
     else:
-        ids = llm.encode_chat(_messages(args, args.prompt))
+        ids = llm.encode_chat(_messages(args, args.prompt), **template_kwargs)
     _print_stream(llm, ids, args, params, _drafter(llm, args), fmt)
     return 0
 
 
 def cmd_chat(args) -> int:
-    params = _params(args)
+    params, template_kwargs = _params(args), _template_kwargs(args)
     _validate_speculative(args)
     fmt = _response_format(args)
     llm = _load(args, args.lora)
@@ -248,7 +249,7 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         print("assistant> ", end="", flush=True)
         try:
-            answer, _ = _print_stream(llm, llm.encode_chat(history), args, params, drafter, fmt)
+            answer, _ = _print_stream(llm, llm.encode_chat(history, **template_kwargs), args, params, drafter, fmt)
         except ValueError as exc:  # e.g. the conversation outgrew the context: say so, keep the session
             print(f"minillm: error: {exc} (use /reset)", file=sys.stderr)
             history.pop()
@@ -279,7 +280,8 @@ def cmd_serve(args) -> int:
           model_name=name, num_blocks=args.num_blocks, max_in_flight=args.max_in_flight, api_keys=keys,
           max_concurrent_per_key=args.max_concurrent_per_key, tokens_per_minute=args.tokens_per_minute,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, prefill_chunk=args.prefill_chunk or None,
-          lenient=args.lenient, **_engine_class(args, control, drafter, llm))
+          lenient=args.lenient, chat_template_kwargs=args.default_chat_template_kwargs,
+          **_engine_class(args, control, drafter, llm))
     if control is not None:
         control.share(None)  # the followers stop
     return 0
@@ -326,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float, default=20.0, metavar="S",
                        help="on SIGTERM/Ctrl-C, running requests get S seconds to finish; the rest end with "
                             "finish_reason 'shutdown' (default: 20)")
+    serve.add_argument("--default-chat-template-kwargs", metavar="JSON", type=_json_value,
+                       help='template variables every chat gets unless its request\'s chat_template_kwargs say '
+                            'otherwise, e.g. \'{"enable_thinking": false}\'')
     serve.add_argument("--lenient", action="store_true",
                        help="accept a request field the server does not know, and log it (default: a 400 naming it, "
                             "as OpenAI answers); fields it knows but does not do are refused either way")
@@ -375,7 +380,35 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="answer with a JSON object, always (notebook 14)")
         p.add_argument("--json-schema", metavar="SCHEMA",
                        help="answer with JSON following this schema (JSON text or a .json file), always")
+        _add_template_flags(p)
     return parser
+
+
+def _add_template_flags(p) -> None:
+    """The chat template's own variables (appendix A2), for thinking models (notebook 10)."""
+    p.add_argument("--chat-template-kwargs", metavar="JSON", type=_json_value,
+                   help='the chat template\'s variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--no-thinking", action="store_true",
+                   help="enable_thinking=false for the template (Qwen3 and later answer without reasoning)")
+    p.add_argument("--reasoning-effort", metavar="LEVEL", help="the template's reasoning_effort (Qwen3.8 reads it)")
+
+
+def _json_value(text: str):
+    """A flag's JSON text, parsed; argparse names the flag when it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+
+
+def _template_kwargs(args) -> dict:
+    """--chat-template-kwargs, then --no-thinking and --reasoning-effort over it; checked (ValueError)."""
+    kwargs = dict(validate_template_kwargs(args.chat_template_kwargs, "--chat-template-kwargs"))
+    if args.no_thinking:
+        kwargs["enable_thinking"] = False
+    if args.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = args.reasoning_effort
+    return kwargs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,8 +133,10 @@ def test_generate_with_a_json_schema_always_parses(tmp_path):
     (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
     (["--seed", str(2**70)], "seed must be an int in [-2**63, 2**64)"),
     (["--model", "data/tiny-llama"], "tokenizer not found"),  # weights there, no tokenizer: found before loading
+    (["--chat-template-kwargs", '{"messages": []}'], "--chat-template-kwargs.messages is set from the request"),
+    (["--chat-template-kwargs", "{enable_thinking"], "argument --chat-template-kwargs: not JSON"),
 ], ids=["num-draft alone", "json and speculative", "json-schema not json", "num-draft 0", "max-new-tokens",
-        "seed", "no tokenizer"])
+        "seed", "no tokenizer", "template kwargs reserved", "template kwargs not json"])
 def test_bad_flags_fail_before_the_model_loads(args, message):
     t0 = time.monotonic()
     result = run_cli("generate", "hi", "--device", "cpu", *args)

@@ -23,6 +23,7 @@ from minillm.runtime.sampling import validate_logit_bias
 from minillm.serve.openai_protocol import (APIError, ParsedRequest, _flag, _text, chat_prompt, offered_tools,
                                            parse_request, read_json)
 from minillm.serve.ops import Gate
+from minillm.text.chat_template import validate_template_kwargs
 from minillm.utils.validate import is_int, shown
 
 LOG = logging.getLogger("minillm.serve")
@@ -47,7 +48,9 @@ CHAT_FIELDS = {**SHARED, "messages": "supported: text content only; image, audio
                "store": "false or null only: no answer is stored", "service_tier": "auto or default only: one tier",
                "modalities": '["text"] only: no audio output', "audio": "refused: no audio output",
                "functions": "refused: deprecated, send tools", "function_call": "refused: deprecated, send tool_choice",
-               "prediction": "refused: no predicted outputs", "reasoning_effort": "refused: no reasoning models here",
+               "prediction": "refused: no predicted outputs",
+               "reasoning_effort": "supported: the chat template's reasoning_effort variable (Qwen3.8 reads it; others ignore it)",
+               "chat_template_kwargs": "supported (an extension, as vLLM's): the template's variables, over the server's defaults",
                "verbosity": "refused: no verbosity control", "web_search_options": "refused: no web search",
                "moderation": "refused: no moderation", "prompt_cache_options": "refused: the prefix cache has no options"}
 TEXT_FIELDS = {**SHARED, "prompt": "supported: a string, or a list of token ids (one prompt)",
@@ -64,8 +67,8 @@ REFUSED_WHEN: dict[str, Callable] = {  # field: which values are refused (null n
     "suffix": lambda v: v != "",
     "store": lambda v: v is not False, "service_tier": lambda v: v not in ("auto", "default"),
     "modalities": lambda v: v != ["text"],
-    **{name: lambda v: True for name in ("audio", "functions", "function_call", "prediction", "reasoning_effort",
-                                         "verbosity", "web_search_options", "moderation", "prompt_cache_options")}}
+    **{name: lambda v: True for name in ("audio", "functions", "function_call", "prediction", "verbosity",
+                                         "web_search_options", "moderation", "prompt_cache_options")}}
 
 
 def check_fields(body: dict, table: dict[str, str], lenient: bool = False) -> None:
@@ -80,6 +83,33 @@ def check_fields(body: dict, table: dict[str, str], lenient: bool = False) -> No
         elif value is not None and name in REFUSED_WHEN and REFUSED_WHEN[name](value):
             raise APIError(400, f"{name} = {shown(value)} is not supported by this server ({table[name]})", name,
                            "unsupported_parameter")
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
+
+
+def read_prompt(llm: LLM, body: dict, chat: bool, template_defaults: dict | None = None) -> list[int]:
+    """The prompt ids: the chat template over `messages` (its variables: the server's defaults, then the
+    request's chat_template_kwargs), or the text (or token ids) of `prompt`."""
+    if chat:
+        tools, choice = offered_tools(body, chat)
+        effort = body.get("reasoning_effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {shown(effort)}",
+                           "reasoning_effort")
+        try:
+            variables = {**(template_defaults or {}), **({"reasoning_effort": effort} if effort is not None else {}),
+                         **validate_template_kwargs(body.get("chat_template_kwargs"))}
+        except ValueError as exc:
+            raise APIError(400, str(exc), "chat_template_kwargs") from None
+        return chat_prompt(llm, body.get("messages"), tools if choice != "none" else [], variables)
+    prompt = body.get("prompt")
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) else prompt
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return prompt  # token ids, as OpenAI's API allows: parse_request checks them against the vocabulary
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+    return llm.tokenizer.encode(_text(prompt, "prompt", "prompt"))
 
 
 def model_entry(models: dict, model_id) -> dict:

@@ -25,6 +25,7 @@ from minillm.text.constrained import validate_response_format
 from minillm.runtime.engine import Output
 from minillm.runtime.generate import validate_prompt
 from minillm.runtime.sampling import SamplingParams
+from minillm.text.reasoning import ReasoningStream, split_reasoning
 from minillm.text.tool_calls import call_format, validate_tools, encode_with_tools, parse_tool_calls
 from minillm.utils.validate import is_int, is_number, is_positive_int, json_problem, lone_surrogate, shown
 
@@ -66,9 +67,11 @@ def sse(data) -> str:
 class Reply:
     """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
 
-    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: bool = False, one_call: bool = False):
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: bool = False, one_call: bool = False,
+                 thinking: bool | None = None):
         self.chat, self.prompt_tokens, self.index, self.tools, self.one_call = chat, prompt_tokens, 0, tools, one_call
         self.tail, self.calls, self.finish = b"", None, None  # last token bytes; tool_stream's state and finish
+        self.thinking, self.reasoning = thinking, None  # LLM.thinking (None: no reasoning); its ReasoningStream
         self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      "object": "chat.completion" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
@@ -87,6 +90,9 @@ class Reply:
         if not self.chat:
             return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}  # legacy_answer
         message = {"content": text} if delta else {"role": "assistant", "content": text, "refusal": None}
+        if self.thinking is not None and not delta:  # a whole answer: its reasoning apart (notebook 10)
+            reasoning, text = split_reasoning(text, self.thinking)
+            message.update(content=text, reasoning=reasoning, reasoning_content=reasoning)  # vLLM's name, the old one
         if self.tools and finish is not None:  # the whole text: <tool_call> blocks become tool_calls
             finish = with_tool_calls(message, text, finish, delta, self.one_call)
         lp = {"content": logprobs, "refusal": None} if logprobs is not None else None  # the spec requires refusal
@@ -113,12 +119,26 @@ def best_choices(logprobs: list[list[dict]], n: int) -> list[int]:
     return sorted(range(len(logprobs)), key=lambda i: -mean[i])[:n]
 
 
+def reasoning_events(reply: Reply, text: str, finished: bool) -> tuple[list[str], str]:
+    """A stream's new text split (reply.thinking not None): the chunk of reasoning it released (sent as
+    `reasoning` and `reasoning_content`), and the content left for the usual chunks."""
+    if reply.thinking is None:
+        return [], text
+    reply.reasoning = reply.reasoning or ReasoningStream(reply.thinking)  # one per choice (Reply.at copies)
+    reasoning, content = reply.reasoning.feed(text)
+    if finished:
+        more, rest = reply.reasoning.end()
+        reasoning, content = reasoning + more, content + rest
+    delta = {"reasoning": reasoning, "reasoning_content": reasoning}
+    chunk = {"index": reply.index, "delta": delta, "logprobs": None, "finish_reason": None}
+    return [reply.chunk([chunk])] if reasoning else [], content
+
+
 def output_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[str]:
     """The SSE events one engine Output sends: a chunk with its text (and logprobs), then, on the
     request's last output, the finishing chunk. (An answer that offered tools: tool_stream.tool_events.)"""
-    events = []
     lp = [token_logprobs(tokenizer, out)] if logprobs and out.token_id is not None else None
-    text = answer_text(reply, out, tokenizer)
+    events, text = reasoning_events(reply, answer_text(reply, out, tokenizer), out.finished)
     if text or lp:
         events.append(reply.chunk([reply.choice(text, None, lp, delta=True)]))
     if out.finished:
@@ -219,9 +239,9 @@ def with_tool_calls(message: dict, text: str, finish: str, delta: bool, one_call
     return "tool_calls"
 
 
-def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
-    """Token ids of chat messages (and the tools offered) through the model's chat template; 400 naming
-    what is wrong."""
+def chat_prompt(llm: LLM, messages, tools: list[dict] = (), template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of chat messages (and the tools offered) through the model's chat template, given its
+    variables (checked); 400 naming what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
     clean = []
@@ -243,7 +263,7 @@ def chat_prompt(llm: LLM, messages, tools: list[dict] = ()) -> list[int]:
         clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages"),
                       **({"tool_calls": calls} if calls else {})})
     try:
-        return encode_with_tools(llm.tokenizer, clean, list(tools))
+        return encode_with_tools(llm.tokenizer, clean, list(tools), **(template_kwargs or {}))
     except Exception as exc:  # the template may reject a conversation (e.g. roles out of order), or the tools
         field = "tools" if tools and _renders(llm, clean) else "messages"
         raise APIError(400, f"the chat template failed on these {field}: {exc}", field) from None
@@ -256,20 +276,6 @@ def _renders(llm: LLM, messages: list[dict]) -> bool:
     except Exception:
         return False
     return True
-
-
-def read_prompt(llm: LLM, body: dict, chat: bool) -> list[int]:
-    """The prompt ids: the chat template over `messages`, or the text (or token ids) of `prompt`."""
-    if chat:
-        tools, choice = offered_tools(body, chat)
-        return chat_prompt(llm, body.get("messages"), tools if choice != "none" else [])
-    prompt = body.get("prompt")
-    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) else prompt
-    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        return prompt  # token ids, as OpenAI's API allows: parse_request checks them against the vocabulary
-    if not isinstance(prompt, str) or not prompt:
-        raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
-    return llm.tokenizer.encode(_text(prompt, "prompt", "prompt"))
 
 
 def _flag(body: dict, name: str, param: str | None = None) -> bool:

@@ -17,7 +17,7 @@ import uuid
 
 from minillm.runtime.engine import Output
 from minillm.text.reasoning import held_back  # notebook 10: the hold-back of a marker's start
-from minillm.serve.openai_protocol import Reply, answer_text, token_logprobs
+from minillm.serve.openai_protocol import Reply, answer_text, reasoning_events, token_logprobs
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 PUNCTUATION = {"{": "{", "}": "}", "[": "[", "]": "]", ":": ": ", ",": ", "}  # as json.dumps separates
@@ -205,12 +205,12 @@ def tool_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[st
     released, then on the last one the finish ("tool_calls" after a call)."""
     if reply.calls is None:
         reply.calls = ToolCallStream(reply.one_call)
-    content, calls = reply.calls.feed(answer_text(reply, out, tokenizer))
+    events, text = reasoning_events(reply, answer_text(reply, out, tokenizer), out.finished)
+    content, calls = reply.calls.feed(text)
     if out.finished:
         more, last, reply.finish = reply.calls.end(out.finish_reason)
         content, calls = content + more, calls + last
     lp = [token_logprobs(tokenizer, out)] if logprobs and out.token_id is not None else None
-    events = []
     if content or calls or lp:
         choice = reply.choice(content, None, lp, delta=True)
         choice["delta"] = {"content": content or None, "tool_calls": calls} if calls else {"content": content}

@@ -61,7 +61,7 @@ def test_unknown_fields_are_refused_as_openai_does_and_logged_with_lenient(serve
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/chat/completions", "functions", [WEATHER["function"]]), ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "store", True), ("/v1/chat/completions", "service_tier", "flex"),
-    ("/v1/chat/completions", "reasoning_effort", "high"), ("/v1/chat/completions", "prediction",
+    ("/v1/chat/completions", "reasoning_effort", "extreme"), ("/v1/chat/completions", "prediction",
                                                            {"type": "content", "content": "Hello"}),
     ("/v1/chat/completions", "web_search_options", {}), ("/v1/chat/completions", "verbosity", "low")])
 def test_a_field_the_server_does_not_do_is_a_400_naming_it(servers, path, field, value):
