@@ -9,6 +9,9 @@ Two things, neither committed (data/ has a 10 MB budget, and one is a program, n
   gguf-py/), unpacked under .venv/llama-cpp/llama.cpp/, which tests/weights/test_hybrid_gguf.py
   runs on the tiny Qwen3.5 checkpoint so that minillm's qwen35 loader (appendix A5) is checked
   against what llama.cpp really writes.
+- llama.cpp's corpus of real chat templates (models/templates/*.jinja: 70 models' templates, Qwen2.5,
+  Qwen3, QwQ, Qwen3-Coder and Qwen3.5 among them), under .venv/llama-cpp/llama.cpp/models/templates/,
+  which tests/text/test_template_corpus.py renders with minillm's sandbox and with transformers.
 
 `make test` runs this script (through the Makefile's .venv/.dev target). It downloads the same pinned
 source distribution the files in data/llama-cpp-vocab/ come from (llama-cpp-python 0.3.36, which
@@ -37,8 +40,10 @@ SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 MEMBER_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/"
 LLAMA_CPP_DIR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # under LLAMA_CPP_DIR: the converter and its package
+CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")  # under LLAMA_CPP_DIR: the
+# converter and its package, and the chat templates
 CONVERTER_STAMP = "llama.cpp/.sdist-sha256"  # written last: the converter is complete, from this sdist
+TEMPLATES = "llama.cpp/models/templates"  # extracted with the converter (a copy from before them lacks it)
 FILES = {  # name under MEMBER_DIR -> sha256 of the file (data/llama-cpp-vocab/README.md lists it too)
     "ggml-vocab-qwen35.gguf": "63ed952ff338996cf0bdf24a7b10015124273f75c6dc9bb427356aa3f67ec62c",
 }
@@ -55,7 +60,7 @@ def sha256(path: Path) -> str:
 def present(dest: Path) -> bool:
     """Every file is in `dest` with its pinned hash, and the converter was unpacked from the pinned sdist."""
     stamp = dest / CONVERTER_STAMP
-    converter = stamp.is_file() and stamp.read_text().strip() == SDIST_SHA256
+    converter = stamp.is_file() and stamp.read_text().strip() == SDIST_SHA256 and (dest / TEMPLATES).is_dir()
     return converter and all((dest / name).is_file() and sha256(dest / name) == digest for name, digest in FILES.items())
 
 
@@ -120,7 +125,7 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory() as tmp:  # the 77 MB sdist is not kept
             extract(download_sdist(Path(tmp)), args.dest)
-    print(f"llama.cpp's test files: {', '.join(FILES)} and the converter in {args.dest}")
+    print(f"llama.cpp's test files: {', '.join(FILES)}, the converter and the chat templates in {args.dest}")
 
 
 if __name__ == "__main__":

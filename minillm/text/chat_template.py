@@ -24,6 +24,7 @@ from typing import Any
 import jinja2
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 
@@ -251,9 +252,24 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         return tree
 
 
+class _Generation(Extension):
+    """transformers' {% generation %}...{% endgeneration %} (it marks the assistant's tokens for training
+    masks): rendering a prompt, the block is its text as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_text"), [], [], body).set_lineno(lineno)
+
+    def _text(self, caller) -> str:
+        return caller()
+
+
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
-    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _Generation])
     env.filters["tojson"] = _tojson
     del env.filters["pprint"]  # a debugging aid whose indentation grows with depth: no chat template needs it
     env.filters = {name: _checked_filter(name, f) for name, f in env.filters.items()}
