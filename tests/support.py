@@ -303,6 +303,34 @@ def tokenizer_gguf(path: Path, templates: dict[str, str] = {}) -> Path:  # noqa:
 
 
 
+QWEN35_TEMPLATE = (DATA / "llama-cpp-vocab" / "templates" / "Qwen3.5-4B.jinja").read_text()  # a template that thinks
+
+
+def with_chat_template(model_and_tokenizer, template: str):
+    """An LLM over (model, tokenizer) whose tokenizer renders `template` (a copy: the shared one is left alone)."""
+    import copy
+
+    from minillm.runtime.llm import LLM
+
+    model, tok = model_and_tokenizer
+    tok = copy.copy(tok)
+    tok.chat_templates, tok.chat_template = {"default": template}, template
+    return LLM(model, tok)
+
+
+def convert_tiny_moe(work: Path, name: str, pre: str, *args: str) -> Path:
+    """data/<name> (config and safetensors, a 191-token Qwen tokenizer beside them) through llama.cpp's
+    converter, as float32 GGUF work/<name>.gguf."""
+    import shutil
+
+    folder = work / name
+    folder.mkdir()
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(DATA / name / file, folder / file)
+    small_qwen_tokenizer(folder, 191)
+    return llama_cpp_convert(folder, work / f"{name}.gguf", pre, *args)
+
+
 def qwen_hub_folder(source: Path, folder: Path, files=("config.json", "model.safetensors")) -> Path:
     """A tiny checkpoint's `files` copied into `folder` as a hub folder would hold them, with Qwen's
     tokenizer.json and chat template beside them (the tiny folders in data/ have no tokenizer)."""

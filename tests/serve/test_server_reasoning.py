@@ -11,27 +11,20 @@ same request, and to the raw text the prompt generates.
 
 from __future__ import annotations
 
-import copy
-
 import openai
 import pytest
 
-from minillm.runtime.llm import LLM
 from minillm.runtime.sampling import SamplingParams
 from minillm.serve.server import BackgroundServer, create_app
-from support import DATA
+from support import QWEN35_TEMPLATE, with_chat_template
 
-QWEN35 = (DATA / "llama-cpp-vocab" / "templates" / "Qwen3.5-4B.jinja").read_text()
 MODEL, TOKENS = "smollm2", 24
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def thinking_llm(smollm2):
-    model, tok = smollm2
-    tok = copy.copy(tok)
-    tok.chat_templates, tok.chat_template = {"default": QWEN35}, QWEN35
-    return LLM(model, tok)
+    return with_chat_template(smollm2, QWEN35_TEMPLATE)
 
 
 def client_for(app):

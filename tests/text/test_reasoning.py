@@ -9,8 +9,6 @@ Qwen3.5's template (data/llama-cpp-vocab/templates/Qwen3.5-4B.jinja, from llama.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,9 +18,9 @@ from minillm.runtime.llm import LLM
 from minillm.runtime.sampling import SamplingParams
 from minillm.text.chat_template import render_chat, validate_template_kwargs
 from minillm.text.reasoning import ReasoningStream, opens_thinking, split_reasoning, template_thinks
-from support import DATA
+from support import QWEN35_TEMPLATE, with_chat_template
 
-QWEN35 = (DATA / "llama-cpp-vocab" / "templates" / "Qwen3.5-4B.jinja").read_text()
+QWEN35 = QWEN35_TEMPLATE
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>'
 CASES = [  # (prompt left <think> open, the answer's text, reasoning, content)
     (True, "The user wants a capital.\n</think>\n\nParis.", "The user wants a capital.", "Paris."),
@@ -80,10 +78,7 @@ def test_template_kwargs_are_checked_at_the_door(kwargs, words):
 @pytest.fixture(scope="module")
 def thinking_llm(smollm2):
     """The embedded SmolLM2 (ChatML, as Qwen) behind Qwen3.5's template, which thinks."""
-    model, tok = smollm2
-    tok = copy.copy(tok)
-    tok.chat_templates, tok.chat_template = {"default": QWEN35}, QWEN35
-    return LLM(model, tok)
+    return with_chat_template(smollm2, QWEN35)
 
 
 def test_llm_chat_returns_the_reasoning_apart(thinking_llm, smollm2):

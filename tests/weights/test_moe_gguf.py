@@ -10,7 +10,6 @@ multi-token-prediction layer). Every tensor and every other metadata key is the 
 
 from __future__ import annotations
 
-import shutil
 import struct
 import warnings
 
@@ -26,7 +25,7 @@ from minillm.weights.gguf_file import WeightsError
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.weights.moe import load_moe_folder
 from minillm.weights.moe_gguf import is_moe_gguf, load_moe_gguf
-from support import DATA, HYBRID_REL, TINY_REL, assert_logits_close, llama_cpp_convert, small_qwen_tokenizer
+from support import DATA, HYBRID_REL, TINY_REL, assert_logits_close, convert_tiny_moe
 
 FILES = {"qwen3_moe-tiny": ("qwen3moe", "qwen2", (), MoeCausalLM, TINY_REL),
          "qwen3_5_moe-tiny": ("qwen35moe", "qwen35", ("--no-mtp",), HybridMoeCausalLM, HYBRID_REL)}
@@ -36,14 +35,8 @@ FILES = {"qwen3_moe-tiny": ("qwen3moe", "qwen2", (), MoeCausalLM, TINY_REL),
 def converted(request, tmp_path_factory):
     """(name, GGUF path): a tiny MoE checkpoint through llama.cpp's convert_hf_to_gguf.py, in float32."""
     name = request.param
-    work = tmp_path_factory.mktemp("moe-gguf")
-    folder = work / name
-    folder.mkdir()
-    for file in ("config.json", "model.safetensors"):
-        shutil.copy(DATA / name / file, folder / file)
-    small_qwen_tokenizer(folder, 191)
     _, pre, args, _, _ = FILES[name]
-    return name, llama_cpp_convert(folder, work / f"{name}.gguf", pre, *args)
+    return name, convert_tiny_moe(tmp_path_factory.mktemp("moe-gguf"), name, pre, *args)
 
 
 def load(path):

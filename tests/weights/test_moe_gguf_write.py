@@ -10,7 +10,6 @@ qwen3moe.* keys; read back by A7's loader, it must give transformers' stored log
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import gguf
 import numpy as np
@@ -22,7 +21,7 @@ from minillm.model.moe import MoeConfig
 from minillm.weights.moe import load_moe_folder
 from minillm.weights.moe_gguf import load_moe_gguf
 from minillm.weights.moe_gguf_write import gguf_tensors_of, write_qwen3moe_gguf
-from support import DATA, assert_logits_close, llama_cpp_convert, small_qwen_tokenizer
+from support import DATA, assert_logits_close, convert_tiny_moe
 
 NAME = "qwen3_moe-tiny"
 
@@ -30,13 +29,7 @@ NAME = "qwen3_moe-tiny"
 @pytest.fixture(scope="module")
 def converter(tmp_path_factory):
     """llama.cpp's converter's GGUF of the checkpoint."""
-    work = tmp_path_factory.mktemp("moe-converter")
-    folder = work / NAME
-    folder.mkdir()
-    for file in ("config.json", "model.safetensors"):
-        shutil.copy(DATA / NAME / file, folder / file)
-    small_qwen_tokenizer(folder, 191)
-    return llama_cpp_convert(folder, work / "converter.gguf", "qwen2")
+    return convert_tiny_moe(tmp_path_factory.mktemp("moe-converter"), NAME, "qwen2")
 
 
 def packed_state() -> dict:
