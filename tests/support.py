@@ -7,7 +7,8 @@
 - FakeHub, a stand-in for the Hugging Face Hub on 127.0.0.1;
 - serving, slow_steps and wait_until, for tests that drive a live server;
 - qwen_hub_folder: a tiny checkpoint with Qwen's tokenizer beside it, as a hub folder;
-- llama_cpp_convert: a checkpoint folder through llama.cpp's own GGUF converter.
+- llama_cpp_convert: a checkpoint folder through llama.cpp's own GGUF converter; with_rope_scaling (a tiny
+  checkpoint with a long-context rope_scaling line) and gguf_with_metadata (gguf-py's own metadata editor).
 
 pytest's hooks and fixtures are in conftest.py beside this file.
 """
@@ -307,10 +308,11 @@ QWEN35_TEMPLATE = (DATA / "llama-cpp-vocab" / "templates" / "Qwen3.5-4B.jinja").
 
 
 def with_chat_template(model_and_tokenizer, template: str):
-    """An LLM over (model, tokenizer) whose tokenizer renders `template` (a copy: the shared one is left alone)."""
+    """minillm.load's LLM over (model, tokenizer) whose tokenizer renders `template` (a copy: the shared one is
+    left alone)."""
     import copy
 
-    from minillm.runtime.llm import LLM
+    from minillm.api import LLM
 
     model, tok = model_and_tokenizer
     tok = copy.copy(tok)
@@ -349,9 +351,12 @@ def qwen_hub_folder(source: Path, folder: Path, files=("config.json", "model.saf
 # ---------------------------------------------------------------- llama.cpp's converter
 # convert_hf_to_gguf.py of the llama-cpp-python 0.3.36 sdist, unpacked into .venv/llama-cpp/ by
 # tools/fetch_llama_cpp_vocab.py (which `make test` runs), its gguf-py first on the path. It runs as
-# its own __main__ after one change: the pre-tokenizer's name. The converter recognises a
+# its own __main__ after two changes. The pre-tokenizer's name: the converter recognises a
 # pre-tokenizer by hashing the token ids of a test string, and no real tokenizer has a tiny
-# fixture's vocabulary, so the caller names it (what the real model's tokenizer hashes to).
+# fixture's vocabulary, so the caller names it (what the real model's tokenizer hashes to). And
+# dense Qwen's set_vocab tries SentencePiece first, importing the `sentencepiece` package (not
+# installed here) before it finds no tokenizer.model: the missing file is raised first, as the
+# converter itself raises it after the import, so it falls back to the tokenizer.json BPE as usual.
 LLAMA_CPP = ROOT / ".venv" / "llama-cpp" / "llama.cpp"
 _DRIVER = """
 import runpy, sys
@@ -359,6 +364,12 @@ root, pre = sys.argv[1], sys.argv[2]
 sys.path[:0] = [root + "/gguf-py", root]
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+spm = TextModel._create_vocab_sentencepiece
+def no_spm_file_first(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(f"File not found: {self.dir_model / 'tokenizer.model'}")
+    return spm(self)
+TextModel._create_vocab_sentencepiece = no_spm_file_first
 sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[3:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -396,4 +407,28 @@ def llama_cpp_convert(folder: Path, out: Path, pre: str, *args: str) -> Path:
     run = subprocess.run([sys.executable, "-c", _DRIVER, str(LLAMA_CPP), pre, *args, "--outtype", "f32",
                           "--outfile", str(out), str(folder)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and out.is_file(), f"the converter failed:\n{run.stderr[-3000:]}"
+    return out
+
+
+def with_rope_scaling(source: Path, folder: Path, rope_scaling: dict) -> Path:
+    """`folder`: checkpoint `source` (config.json and model.safetensors) with the rope_scaling line a long-context
+    model card tells users to add, such as Qwen3's YaRN, written into its config."""
+    import shutil
+
+    folder.mkdir(parents=True)
+    shutil.copy(source / "model.safetensors", folder / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rope_scaling": rope_scaling}))
+    return folder
+
+
+def gguf_with_metadata(path: Path, out: Path, new: dict | None = None, remove: tuple[str, ...] = ()) -> Path:
+    """A copy of GGUF `path` at `out` with metadata keys set ({key: (GGUFValueType, value)}) or removed, made by
+    gguf-py's own gguf_new_metadata (the tool llama.cpp ships for it): every other key and tensor as they were."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(out, arch=reader.fields["general.architecture"].contents(), endianess=reader.endianess)
+    copy_with_new_metadata(reader, writer, {k: MetadataDetails(t, v) for k, (t, v) in (new or {}).items()}, remove)
     return out

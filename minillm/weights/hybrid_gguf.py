@@ -28,7 +28,7 @@ from minillm.model.devices import default_dtype, pick_device
 from minillm.model.qwen3_5 import HybridCausalLM, HybridConfig
 from minillm.weights.gguf_file import WeightsError, check_gguf_header, read_gguf
 from minillm.weights.gguf_types import _validate_gguf_layout, _validate_gguf_tensor, gguf_float
-from minillm.weights.loading import _MISSING, _build, _meta
+from minillm.weights.loading import _MISSING, _build, _meta, gguf_rope_scaling
 
 ARCHITECTURE = "qwen35"
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -180,8 +180,7 @@ def qwen35_config(reader: gguf.GGUFReader, path: str | Path = "GGUF", arch: str 
         recurrent = [(i + 1) % interval != 0 for i in range(blocks)]
     if not isinstance(recurrent, list) or len(recurrent) != blocks or any(type(r) is not bool for r in recurrent):
         raise WeightsError(f"{path}: '{arch}.attention.recurrent_layers' must be {blocks} booleans")
-    if key("rope.scaling.type", "none") != "none":
-        raise WeightsError(f"{path}: '{arch}.rope.scaling.type' {key('rope.scaling.type')!r} is not supported")
+    scaling = gguf_rope_scaling(key, arch, path) or {}  # YaRN's keys as config.json's, refused below as there
     tokens, rotary = reader.fields.get("tokenizer.ggml.tokens"), count("rope.dimension_count")
     cfg = {
         "model_type": "qwen3_5_text",
@@ -193,7 +192,7 @@ def qwen35_config(reader: gguf.GGUFReader, path: str | Path = "GGUF", arch: str 
         "head_dim": head_dim,
         "max_position_embeddings": count("context_length"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_parameters": {"rope_theta": key("rope.freq_base"), "partial_rotary_factor": rotary / head_dim},
+        "rope_parameters": {"rope_theta": key("rope.freq_base"), "partial_rotary_factor": rotary / head_dim, **scaling},
         "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
         "linear_conv_kernel_dim": count("ssm.conv_kernel"),
         "linear_key_head_dim": count("ssm.state_size"),

@@ -59,7 +59,8 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 
 _MISSING = object()
-_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base")  # FLOAT32 in llama.cpp's files
+_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")  # FLOAT32 in llama.cpp's files
 
 
 def _meta(reader, key: str, path: Path, default=_MISSING):
@@ -104,8 +105,7 @@ def gguf_config(reader, path: str | Path = "GGUF", mlp_fields=None, config_class
         cfg["head_dim"] = key("attention.key_length")
     if mlp_fields is not None:
         cfg |= mlp_fields(key)
-    if key("rope.scaling.type", "none") != "none":
-        raise WeightsError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported by the GGUF loader")
+    cfg["rope_scaling"] = gguf_rope_scaling(key, arch, path)  # None, or the folder's YaRN (or linear) dict
     try:
         config = config_class.from_dict(cfg, source=str(path))
     except ValueError as exc:
@@ -129,6 +129,29 @@ def gguf_architecture(path: str | Path) -> str:
     if not isinstance(arch, str):
         raise WeightsError(f"{path}: GGUF metadata key 'general.architecture' is missing or not a string")
     return _supported(arch, Path(path))
+
+
+_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
+
+
+def gguf_rope_scaling(key, arch: str, path: Path) -> dict | None:
+    """The config's rope_scaling that llama.cpp's converter wrote as {arch}.rope.scaling.* keys: None, or linear's
+    or YaRN's dictionary; WeightsError naming the key of a type or value minillm lacks, or of a missing one."""
+    kind = key("rope.scaling.type", "none")
+    if kind not in ("none", "linear", "yarn"):
+        raise WeightsError(f"{path}: '{arch}.rope.scaling.type' {kind!r} is not supported; supported: none, linear, yarn")
+    if kind == "none":
+        return None
+    scaling = {"rope_type": kind, "factor": key("rope.scaling.factor")}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
+        for name, field in _YARN_KEYS.items():
+            if (value := key(f"rope.scaling.{name}", None)) is not None:
+                scaling[field] = value
+        for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):  # not in transformers' YaRN
+            if (value := key(f"rope.scaling.{name}", neutral)) != neutral:
+                raise WeightsError(f"{path}: '{arch}.rope.scaling.{name}' {value!r} is not supported (only {neutral})")
+    return scaling
 
 
 def hf_rows(config: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:

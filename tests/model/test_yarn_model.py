@@ -10,27 +10,20 @@ plain RoPE, both leave transformers' tolerance.
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from minillm.model.decoder import from_folder
 from minillm.speed.fast import FastCausalLM
-from support import DATA, assert_logits_close, greedy_by_teacher_forcing
+from support import DATA, assert_logits_close, greedy_by_teacher_forcing, with_rope_scaling
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("yarn") / "tiny-qwen3-yarn"
-    shutil.copytree(DATA / "tiny-qwen3", folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "rope_scaling": YARN}))
-    return folder
+    return with_rope_scaling(DATA / "tiny-qwen3", tmp_path_factory.mktemp("yarn") / "tiny-qwen3-yarn", YARN)
 
 
 @pytest.fixture(scope="module")

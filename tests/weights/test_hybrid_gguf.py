@@ -30,6 +30,7 @@ import struct
 import warnings
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -40,8 +41,8 @@ from minillm.weights.embedded import embedded_gguf_path
 from minillm.weights.gguf_file import WeightsError, read_gguf
 from minillm.weights.hybrid import load_hybrid_folder
 from minillm.weights.hybrid_gguf import is_hybrid_gguf, load_hybrid_gguf, qwen35_config
-from support import (DATA, HYBRID_REL, TINY_REL, assert_logits_close, greedy_by_teacher_forcing, llama_cpp_convert,
-                     small_qwen_tokenizer)
+from support import (DATA, HYBRID_REL, TINY_REL, assert_logits_close, greedy_by_teacher_forcing, gguf_with_metadata,
+                     llama_cpp_convert, small_qwen_tokenizer)
 
 FOLDER = DATA / "qwen3_5-tiny"
 REF = load_file(FOLDER / "reference.safetensors")
@@ -167,6 +168,23 @@ def test_layer_types_come_from_the_interval_without_the_array(gguf_file, tmp_pat
     assert qwen35_config(read_gguf(path), path).layer_types == qwen35_config(read_gguf(gguf_file)).layer_types
     path = edited(path, tmp_path / "neither", gguf_string(interval), gguf_string(interval.upper()))
     with pytest.raises(WeightsError, match=f"'{interval}' is missing"):
+        qwen35_config(read_gguf(path), path)
+
+
+def test_yarn_is_refused_as_in_a_config_json(gguf_file, tmp_path):
+    """Notebook 06's gguf_rope_scaling reads llama.cpp's YaRN keys into rope_parameters, and HybridConfig.from_dict
+    refuses them with the words it has for a config.json: minillm's Qwen3.5 runs unscaled RoPE."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = json.loads((FOLDER / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"] |= yarn
+    words = "rope_type 'yarn' is not supported for Qwen3.5; supported: 'default'"
+    with pytest.raises(ValueError, match=words):
+        HybridConfig.from_dict(cfg)
+    keys = {"qwen35.rope.scaling.type": (gguf.GGUFValueType.STRING, "yarn"),
+            "qwen35.rope.scaling.factor": (gguf.GGUFValueType.FLOAT32, 4.0),
+            "qwen35.rope.scaling.original_context_length": (gguf.GGUFValueType.UINT32, 64)}
+    path = gguf_with_metadata(gguf_file, tmp_path / "yarn.gguf", keys)  # gguf-py's own metadata editor
+    with pytest.raises(WeightsError, match=words):
         qwen35_config(read_gguf(path), path)
 
 

@@ -209,8 +209,11 @@ def test_gguf_metadata_of_the_wrong_type(tmp_path):
 
 
 def test_gguf_rope_scaling_refused(tmp_path):
-    with pytest.raises(WeightsError, match="rope scaling 'yarn'"):
-        from_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", extra={"llama.rope.scaling.type": "yarn"}))
+    """llama.cpp's other type, longrope (Phi-3): minillm has no such RoPE. YaRN and linear are read
+    (tests/weights/test_yarn_gguf.py)."""
+    words = "'llama.rope.scaling.type' 'longrope' is not supported; supported: none, linear, yarn"
+    with pytest.raises(WeightsError, match=words):
+        from_gguf(write_gguf("tiny-llama", tmp_path / "m.gguf", extra={"llama.rope.scaling.type": "longrope"}))
 
 
 @pytest.mark.parametrize("cut", [10, 200, 5000, -100])
