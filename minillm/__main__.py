@@ -186,11 +186,12 @@ def _drafter(llm, args):
     return llm.drafter(load(args.speculative, dtype=args.dtype, device=args.device))
 
 
-def _print_stream(llm, prompt_ids, args, params, drafter=None, fmt=None) -> tuple[str, object]:
+def _print_stream(llm, prompt_ids, args, params, drafter=None, fmt=None, chat=True) -> tuple[str, object]:
     """Stream one answer to stdout; Ctrl-C stops it cleanly. Returns (text, metrics or None)."""
     pieces, metrics, stats = [], None, SpeculationStats()
     limits = dict(params=params, max_new_tokens=args.max_new_tokens, stop=args.stop)
-    constraint = llm.constraints.for_format(fmt)  # a fresh one per answer; None for free text
+    thinking = llm.thinking(prompt_ids) if chat else None  # a thinking template: the format after </think>
+    constraint = llm.constraints.for_format(fmt, thinking, args.reasoning_budget, prompt_ids)  # None: free text
     limits["cache_factory"] = llm.cache_factory  # Qwen3.5's hybrid cache (notebook 22), else the KV cache
     steps = (stream(llm.model, llm.tokenizer, prompt_ids, constraint=constraint, **limits) if drafter is None else
              speculative_stream(llm.model, llm.tokenizer, prompt_ids, drafter, num_draft=args.num_draft or 4,
@@ -214,11 +215,12 @@ def cmd_generate(args) -> int:
     fmt = _response_format(args)
     llm = _load(args, args.lora)
     _ranks(args)  # every rank runs this same command: the same tokens everywhere, printed once
-    if args.raw or not llm.tokenizer.chat_template:
-        ids = llm.tokenizer.encode(args.prompt)
-    else:
+    chat = not args.raw and bool(llm.tokenizer.chat_template)
+    if chat:
         ids = llm.encode_chat(_messages(args, args.prompt), **template_kwargs)
-    _print_stream(llm, ids, args, params, _drafter(llm, args), fmt)
+    else:
+        ids = llm.tokenizer.encode(args.prompt)
+    _print_stream(llm, ids, args, params, _drafter(llm, args), fmt, chat)
     return 0
 
 
@@ -262,6 +264,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     keys = read_keys(args.api_key, args.api_key_file, os.environ)  # before loading: a bad key fails fast
     specs = lora_specs(args)
+    _check_budget(args)
     adapters = {name: read_adapter(path) for name, path in specs.items()}  # a bad adapter fails fast too
     _validate_speculative(args)
     llm = _load(args)
@@ -281,6 +284,7 @@ def cmd_serve(args) -> int:
           max_concurrent_per_key=args.max_concurrent_per_key, tokens_per_minute=args.tokens_per_minute,
           request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace, prefill_chunk=args.prefill_chunk or None,
           lenient=args.lenient, chat_template_kwargs=args.default_chat_template_kwargs,
+          reasoning_budget=args.reasoning_budget,
           **_engine_class(args, control, drafter, llm))
     if control is not None:
         control.share(None)  # the followers stop
@@ -328,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float, default=20.0, metavar="S",
                        help="on SIGTERM/Ctrl-C, running requests get S seconds to finish; the rest end with "
                             "finish_reason 'shutdown' (default: 20)")
+    serve.add_argument("--reasoning-budget", type=int, metavar="N",
+                       help="a thinking model's reasoning is closed after N tokens, then it answers (0: at once)")
     serve.add_argument("--default-chat-template-kwargs", metavar="JSON", type=_json_value,
                        help='template variables every chat gets unless its request\'s chat_template_kwargs say '
                             'otherwise, e.g. \'{"enable_thinking": false}\'')
@@ -391,6 +397,8 @@ def _add_template_flags(p) -> None:
     p.add_argument("--no-thinking", action="store_true",
                    help="enable_thinking=false for the template (Qwen3 and later answer without reasoning)")
     p.add_argument("--reasoning-effort", metavar="LEVEL", help="the template's reasoning_effort (Qwen3.8 reads it)")
+    p.add_argument("--reasoning-budget", type=int, metavar="N",
+                   help="close a thinking model's reasoning after N tokens, then it answers (0: at once)")
 
 
 def _json_value(text: str):
@@ -402,13 +410,20 @@ def _json_value(text: str):
 
 
 def _template_kwargs(args) -> dict:
-    """--chat-template-kwargs, then --no-thinking and --reasoning-effort over it; checked (ValueError)."""
+    """--chat-template-kwargs, then --no-thinking and --reasoning-effort over it; checked (ValueError),
+    with --reasoning-budget."""
+    _check_budget(args)
     kwargs = dict(validate_template_kwargs(args.chat_template_kwargs, "--chat-template-kwargs"))
     if args.no_thinking:
         kwargs["enable_thinking"] = False
     if args.reasoning_effort is not None:
         kwargs["reasoning_effort"] = args.reasoning_effort
     return kwargs
+
+
+def _check_budget(args) -> None:
+    if args.reasoning_budget is not None and args.reasoning_budget < 0:
+        raise ValueError(f"--reasoning-budget must be an integer >= 0 (tokens), got {args.reasoning_budget}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ from minillm.speed.moe import FastMoeCausalLM, quantize_moe_model
 from minillm.speed.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
 from minillm.text.constrained import Constraints
 from minillm.text.chat_template import validate_template_kwargs
-from minillm.text.tool_calls import call_format, encode_with_tools, parse_tool_calls, validate_tools
+from minillm.text.tool_calls import call_format, call_style, encode_with_tools, parse_tool_calls, tools_template, validate_tools
 from minillm.utils.validate import is_int
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.weights.gguf_file import check_gguf_header
@@ -57,8 +57,10 @@ class LLM(basic.LLM):
         self.cache_factory = make_hybrid_cache if hybrid else make_cache
         self.engine_class = HybridEngine if hybrid else Engine  # what a server batches it with (nb 17, A6)
 
-    def _steps(self, ids, params, speculative=None, response_format=None, **kwargs) -> Iterator[Step]:
-        constraint = self.constraints.for_format(response_format)  # None for free text
+    def _steps(self, ids, params, speculative=None, response_format=None, thinking=None, reasoning_budget=None,
+               **kwargs) -> Iterator[Step]:
+        """A thinking template's format waits for </think>; reasoning_budget ends the reasoning (nb 14's gate)."""
+        constraint = self.constraints.for_format(response_format, thinking, reasoning_budget, ids)  # None: free text
         if speculative is None:
             return super()._steps(ids, params, constraint=constraint, cache_factory=self.cache_factory, **kwargs)
         if constraint is not None:
@@ -98,15 +100,16 @@ def chat_with_tools(llm: LLM, messages: Sequence[dict], params, tools, tool_choi
     """LLM.chat offering tools: a required call (tool_choice "required" or a named function) is
     forced by a grammar; the calls are returned in tool_calls, the other text as the text."""
     tools, choice = validate_tools(tools, tool_choice)
-    forced = call_format(tools, choice)
+    forced = call_format(tools, choice, call_style(tools_template(llm.tokenizer, template_name)))
     if forced is not None and kwargs.get("response_format") is not None:
         raise ValueError("response_format cannot be combined with a required tool_choice")
     ids = encode_with_tools(llm.tokenizer, list(messages), tools if choice != "none" else [], template_name,
                             **validate_template_kwargs(chat_template_kwargs))
-    completion = llm.split(collect(llm._steps(ids, params, **{**kwargs, "response_format": forced or kwargs.get("response_format")})),
-                           ids, template_name)  # the reasoning apart first: a call made while thinking is the answer's
+    steps = llm._steps(ids, params, **{**kwargs, "response_format": forced or kwargs.get("response_format")},
+                       thinking=llm.thinking(ids, template_name))  # a thinking model's grammar waits for </think>
+    completion = llm.split(collect(steps), ids, template_name)  # the reasoning apart first: a call made while thinking is the answer's
     if choice != "none":
-        text, completion.tool_calls = parse_tool_calls(completion.text)
+        text, completion.tool_calls = parse_tool_calls(completion.text, tools)
         completion.text = text or ""
     return completion
 

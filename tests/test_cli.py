@@ -135,8 +135,9 @@ def test_generate_with_a_json_schema_always_parses(tmp_path):
     (["--model", "data/tiny-llama"], "tokenizer not found"),  # weights there, no tokenizer: found before loading
     (["--chat-template-kwargs", '{"messages": []}'], "--chat-template-kwargs.messages is set from the request"),
     (["--chat-template-kwargs", "{enable_thinking"], "argument --chat-template-kwargs: not JSON"),
+    (["--reasoning-budget", "-1"], "--reasoning-budget must be an integer >= 0 (tokens), got -1"),
 ], ids=["num-draft alone", "json and speculative", "json-schema not json", "num-draft 0", "max-new-tokens",
-        "seed", "no tokenizer", "template kwargs reserved", "template kwargs not json"])
+        "seed", "no tokenizer", "template kwargs reserved", "template kwargs not json", "reasoning budget"])
 def test_bad_flags_fail_before_the_model_loads(args, message):
     t0 = time.monotonic()
     result = run_cli("generate", "hi", "--device", "cpu", *args)
@@ -147,7 +148,8 @@ def test_bad_flags_fail_before_the_model_loads(args, message):
 @pytest.mark.parametrize("args, message", [
     (["--speculative-max-batch", "2"], "--speculative-max-batch applies to --speculative"),
     (["--speculative", "ngram", "--speculative-max-batch", "0"], "--speculative-max-batch must be >= 1, got 0"),
-], ids=["max-batch alone", "max-batch 0"])
+    (["--reasoning-budget", "-3"], "--reasoning-budget must be an integer >= 0 (tokens), got -3"),
+], ids=["max-batch alone", "max-batch 0", "reasoning budget"])
 def test_serve_speculation_flags_fail_before_the_model_loads(args, message):
     result = run_cli("serve", "--device", "cpu", *args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

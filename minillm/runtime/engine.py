@@ -401,18 +401,18 @@ class Engine(EngineCore):
     """A model, a paged KV cache and a scheduler: add_request, step, abort, generate."""
 
     def add_request(self, prompt_ids: Seq[int], *args, **kwargs) -> int:  # make_request's arguments
-        """Queue a request; returns its id. Bad arguments raise ValueError here, for this request only."""
-        return self.submit(self.make_request(prompt_ids, *args, **kwargs))
+        return self.submit(self.make_request(prompt_ids, *args, **kwargs))  # its id; bad arguments: ValueError here
 
     def make_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
                      stop: Seq[str] = (), eos_token_ids: Seq[int] | None = None, n: int = 1,
-                     response_format=None, adapter: str | None = None, prompt_logprobs: int | None = None) -> Sequence:
+                     response_format=None, adapter: str | None = None, prompt_logprobs: int | None = None,
+                     thinking: bool | None = None, reasoning_budget: int | None = None) -> Sequence:  # nb 14's gate
         """A checked request of n choices, not yet queued (no engine state touched: any thread may call it)."""
         def choice(params: SamplingParams | None) -> Sequence:
             ids, params, text = validate_request(self.tokenizer, self.scheduler.max_model_len, self.model.config.vocab_size,
                                               prompt_ids, params, max_new_tokens, stop, eos_token_ids)
             return Sequence(next(self._ids), ids, params, text, make_generator(params.seed, self.device),
-                            constraint=self.constraints.for_format(response_format),  # nb 14: one per choice
+                            constraint=self.constraints.for_format(response_format, thinking, reasoning_budget, ids),
                             lora=adapter_index(self.model, adapter))  # nb 20: 0, or its adapter's index
         return with_forks([choice(p) for p in choice_params(params, n)], prompt_logprobs)
 

@@ -48,12 +48,11 @@ class LLM(PromptScoring):
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
 
     def _ids(self, prompt_or_messages) -> list[int]:
-        if isinstance(prompt_or_messages, str):
-            return self.tokenizer.encode(prompt_or_messages)
-        return self.encode_chat(prompt_or_messages)
+        chat = not isinstance(prompt_or_messages, str)
+        return self.encode_chat(prompt_or_messages) if chat else self.tokenizer.encode(prompt_or_messages)
 
-    def _steps(self, ids, params, **kwargs) -> Iterator[Step]:
-        """The loop of this notebook, greedy unless params say otherwise; the rest goes to stream as it is."""
+    def _steps(self, ids, params, thinking=None, **kwargs) -> Iterator[Step]:
+        """The loop of this notebook, greedy unless params say otherwise (thinking: for notebook 14's grammars)."""
         return stream(self.model, self.tokenizer, ids, params=params or SamplingParams(temperature=0), **kwargs)
 
     def generate(self, prompt: str, params: SamplingParams | None = None, **kwargs) -> Completion:
@@ -66,7 +65,8 @@ class LLM(PromptScoring):
         ({"enable_thinking": False}); a template that thinks gets the reasoning apart (.reasoning)."""
         template_kwargs = validate_template_kwargs(chat_template_kwargs)
         ids = self.encode_chat(messages, template_name=template_name, **template_kwargs)
-        return self.split(collect(self._steps(ids, params, **kwargs)), ids, template_name)
+        steps = self._steps(ids, params, thinking=self.thinking(ids, template_name), **kwargs)
+        return self.split(collect(steps), ids, template_name)
 
     def thinking(self, ids: Sequence[int], template_name: str | None = None) -> bool | None:
         """None if the chat template does not think, else whether the prompt `ids` left a <think> open."""

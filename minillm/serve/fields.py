@@ -59,6 +59,7 @@ TEXT_FIELDS = {**SHARED, "prompt": "supported: a string, or a list of token ids 
                "logprobs": "supported: alternatives per token, 0 to 5 (OpenAI's legacy object); not streamed",
                "tools": "refused on /v1/completions", "tool_choice": "refused on /v1/completions"}
 TOKENIZE_FIELDS = {"model": SUPPORTED, "prompt": SUPPORTED, "messages": SUPPORTED, "tools": SUPPORTED,
+                   "chat_template_kwargs": "supported: as on /v1/chat/completions, over the server's defaults",
                    "add_special_tokens": SUPPORTED, "add_generation_prompt": "true only (the default)",
                    "continue_final_message": "false only (the default)", "return_token_strs": SUPPORTED}
 DETOKENIZE_FIELDS = {"model": SUPPORTED, "tokens": SUPPORTED}
@@ -128,9 +129,9 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return _flag({name: default if body.get(name) is None else body[name]}, name)
 
 
-def tokenize(llm: LLM, body: dict, context: int, models: dict) -> dict:
+def tokenize(llm: LLM, body: dict, context: int, models: dict, template_defaults: dict | None = None) -> dict:
     """vLLM's POST /tokenize: the ids of a `prompt`, or of chat `messages` as /v1/chat/completions
-    builds its prompt; with return_token_strs, each token's text."""
+    builds its prompt (read_prompt: tools, chat_template_kwargs); with return_token_strs, each token's text."""
     if body.get("model") is not None:
         model_entry(models, body["model"])
     chat = body.get("messages") is not None
@@ -141,8 +142,7 @@ def tokenize(llm: LLM, body: dict, context: int, models: dict) -> dict:
                               ("add_special_tokens", False)):
             if _bool(body, name, allowed) != allowed:
                 raise APIError(400, f"{name}: {str(not allowed).lower()} is not supported with messages", name)
-        tools, choice = offered_tools(body, True)
-        ids = chat_prompt(llm, body["messages"], tools if choice != "none" else [])
+        ids = read_prompt(llm, body, True, template_defaults)
     else:
         special = _bool(body, "add_special_tokens", True)
         ids = llm.tokenizer.encode(_text(body["prompt"], "prompt", "prompt"), add_special_tokens=special)
@@ -170,9 +170,9 @@ def tokenizer_info(llm: LLM, context: int) -> dict:
 
 
 def add_routes(app: FastAPI, llm: LLM, gate: Gate, context: int, max_body_bytes: int, models: Callable[[], dict],
-               lenient: bool = False) -> None:
+               lenient: bool = False, template_defaults: dict | None = None) -> None:
     """GET /v1/models, /v1/models/{id} and /tokenizer_info, POST /tokenize and /detokenize (a key is
-    needed; no per-key limit counts them)."""
+    needed; no per-key limit counts them); template_defaults: the server's chat_template_kwargs."""
 
     async def answer(request: Request, work: Callable[[dict], dict], table: dict | None = None) -> dict:
         record = gate.admit(request, limited=False)
@@ -196,7 +196,8 @@ def add_routes(app: FastAPI, llm: LLM, gate: Gate, context: int, max_body_bytes:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        return await answer(request, lambda body: tokenize(llm, body, context, models()), TOKENIZE_FIELDS)
+        return await answer(request, lambda body: tokenize(llm, body, context, models(), template_defaults),
+                            TOKENIZE_FIELDS)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
@@ -219,7 +220,7 @@ def bias_ids(bias):
 
 
 def parse_completion(body: dict, ids: list[int], context: int, vocab_size: int, model_name: str, chat: bool = True,
-                     constraints=None, adapters: list[str] = ()) -> ParsedRequest:
+                     constraints=None, adapters: list[str] = (), style: str = "json") -> ParsedRequest:
     """parse_request, with logit_bias's keys as ids checked against the vocabulary, and /v1/completions' own
     `logprobs` (alternatives per token, 0 to 5), `echo` and max_tokens 0 with echo (neither streamed)."""
     body, echo, top, silent = {**body, "logit_bias": bias_ids(body.get("logit_bias"))}, False, None, False
@@ -234,7 +235,7 @@ def parse_completion(body: dict, ids: list[int], context: int, vocab_size: int, 
         param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         silent = echo and is_int(body.get(param)) and body[param] == 0
         body[param] = 1 if silent else body.get(param)
-    req = parse_request(body, ids, context, vocab_size, model_name, chat, constraints, adapters)
+    req = parse_request(body, ids, context, vocab_size, model_name, chat, constraints, adapters, style)
     try:
         validate_logit_bias(req.params, vocab_size)
     except ValueError as exc:

@@ -67,7 +67,7 @@ def sse(data) -> str:
 class Reply:
     """The OpenAI objects of one answer: a chat or a text completion, whole or as chunks."""
 
-    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: bool = False, one_call: bool = False,
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, tools: list[dict] = (), one_call: bool = False,
                  thinking: bool | None = None):
         self.chat, self.prompt_tokens, self.index, self.tools, self.one_call = chat, prompt_tokens, 0, tools, one_call
         self.tail, self.calls, self.finish = b"", None, None  # last token bytes; tool_stream's state and finish
@@ -94,7 +94,7 @@ class Reply:
             reasoning, text = split_reasoning(text, self.thinking)
             message.update(content=text, reasoning=reasoning, reasoning_content=reasoning)  # vLLM's name, the old one
         if self.tools and finish is not None:  # the whole text: <tool_call> blocks become tool_calls
-            finish = with_tool_calls(message, text, finish, delta, self.one_call)
+            finish = with_tool_calls(message, text, finish, delta, self.one_call, self.tools)
         lp = {"content": logprobs, "refusal": None} if logprobs is not None else None  # the spec requires refusal
         return {"index": self.index, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": finish}
 
@@ -228,10 +228,12 @@ def offered_tools(body: dict, chat: bool) -> tuple[list[dict], str | dict]:
         raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
 
 
-def with_tool_calls(message: dict, text: str, finish: str, delta: bool, one_call: bool = False) -> str:
+def with_tool_calls(message: dict, text: str, finish: str, delta: bool, one_call: bool = False,
+                    tools: list[dict] = ()) -> str:
     """Split an answer's whole text into the message's content and tool_calls (a delta's carry their
-    index; one_call, parallel_tool_calls false: the first only); "tool_calls" is the finish when any."""
-    message["content"], calls = parse_tool_calls(text)
+    index; one_call, parallel_tool_calls false: the first only; tools: the offered, whose schemas read
+    Qwen3.5's XML values); "tool_calls" is the finish when any."""
+    message["content"], calls = parse_tool_calls(text, tools)
     calls = calls[:1] if one_call else calls
     if not calls:
         return finish
@@ -333,7 +335,7 @@ class ParsedRequest:
     best_of: int  # choices sampled; the n with the highest mean log-probability are returned
     include_usage: bool  # a last streamed chunk carries the token counts
     logprobs: bool
-    tools: bool  # tools were offered and may be called: the answer is parsed for calls
+    tools: list  # the tools offered, if they may be called (else []): the answer is parsed for calls
     model: str  # the name the answer reports (the base model's, or an adapter's)
     options: dict  # Engine.make_request's keywords: response_format, adapter, eos_token_ids
     one_call: bool = False  # parallel_tool_calls false: at most one tool call in the answer
@@ -342,9 +344,10 @@ class ParsedRequest:
 
 
 def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: int, model_name: str,
-                  chat: bool = True, constraints=None, adapters: list[str] = ()) -> ParsedRequest:
+                  chat: bool = True, constraints=None, adapters: list[str] = (), style: str = "json") -> ParsedRequest:
     """Check the request against the context, OpenAI's ranges and SamplingParams; the engine's
-    arguments and the options. The table in notebook 18 lists every field and its range."""
+    arguments and the options (style: how the template's model writes a tool call, notebook 14's
+    call_style). The table in notebook 18 lists every field and its range."""
     model, adapter = requested_model(body, model_name, list(adapters))
     stream = _flag(body, "stream")
     n, best_of = _choices(body, chat, stream)
@@ -389,7 +392,7 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
         raise APIError(400, f"seed + best_of - 1 must be below 2**64 (choice i samples with seed + i), got seed "
                        f"{params.seed} and {best_of} choices", "seed")
     fmt, (tools, choice) = named_schema(body.get("response_format")), offered_tools(body, chat)
-    forced = call_format(tools, choice)  # a call is required: the grammar writes its frame
+    forced = call_format(tools, choice, style)  # a call is required: the grammar writes its frame
     if forced is not None:
         if fmt is not None:
             raise APIError(400, "response_format cannot be combined with a required tool_choice", "response_format")
@@ -406,7 +409,7 @@ def parse_request(body: dict, prompt_ids: list[int], context: int, vocab_size: i
     usage = _flag(options, "include_usage", "stream_options.include_usage")
     one_call = body.get("parallel_tool_calls") is not None and not _flag(body, "parallel_tool_calls")
     return ParsedRequest(params, max_tokens, stop, stream, n, best_of, usage, want_logprobs,
-                         tools=bool(tools) and choice != "none", model=model,
+                         tools=tools if choice != "none" else [], model=model,
                          options={"response_format": fmt, "adapter": adapter,
                                   **({"eos_token_ids": ()} if _flag(body, "ignore_eos") else {})}, one_call=one_call)
 

@@ -38,6 +38,7 @@ from minillm.serve.ops import (APIKeys, Gate, GracefulServer, KeyLimits, Metrics
 from minillm.serve.plumbing import InFlight, add_error_handlers, as_api_error
 from minillm.serve.tool_stream import tool_events
 from minillm.text.chat_template import validate_template_kwargs
+from minillm.text.tool_calls import call_style, tools_template
 
 
 def apply_commands(engine: Engine, commands: queue.SimpleQueue) -> None:
@@ -263,9 +264,12 @@ async def stream_answer(bridge: EngineBridge, tokenizer, ids: list[int], req: Pa
 
 
 def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int, model_name: str,
-                       max_body_bytes: int, lenient: bool = False, template_defaults: dict | None = None):
+                       max_body_bytes: int, lenient: bool = False, template_defaults: dict | None = None,
+                       reasoning_budget: int | None = None):
     """The body of both completion endpoints: admit, read, check, then answer whole or as a stream."""
     template_defaults = validate_template_kwargs(template_defaults, "default chat_template_kwargs")  # at start-up
+    bridge.engine.constraints.for_format(None, False, reasoning_budget)  # checks the budget, at start-up too
+    style = call_style(tools_template(llm.tokenizer))  # Hermes JSON or Qwen3.5's XML calls (notebook 14)
 
     async def complete(request: Request, chat: bool):
         record = gate.admit(request)  # 503, 401, 429: counted from here, a burst cannot pass together
@@ -275,8 +279,10 @@ def completion_handler(llm: LLM, bridge: EngineBridge, gate: Gate, context: int,
             check_fields(body, CHAT_FIELDS if chat else TEXT_FIELDS, lenient)  # a field it does not do: 400
             ids = await asyncio.to_thread(read_prompt, llm, body, chat, template_defaults)  # a template: up to 2 s
             req = parse_completion(body, ids, context, llm.model.config.vocab_size, model_name, chat,
-                                bridge.engine.constraints, adapter_names(llm.model))  # notebooks 14 and 17
-            reply = Reply(chat, req.model, len(ids), req.tools, req.one_call, llm.thinking(ids) if chat else None)
+                                bridge.engine.constraints, adapter_names(llm.model), style)  # notebooks 14 and 17
+            thinking = llm.thinking(ids) if chat else None  # None: no reasoning to split, nor to wait for
+            req.options.update(thinking=thinking, reasoning_budget=reasoning_budget)  # a grammar after </think>
+            reply = Reply(chat, req.model, len(ids), req.tools, req.one_call, thinking)
             record.begin(reply.head["id"], len(ids))
             if not req.stream:
                 answer = await collect_answer(bridge, llm.tokenizer, ids, req, reply, request, record)
@@ -320,9 +326,8 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
                api_keys: Iterable[str] = (), max_concurrent_per_key: int | None = None,
                tokens_per_minute: int | None = None, request_timeout: float | None = None,
                shutdown_grace: float = 20.0, prefill_chunk: int | None = PREFILL_CHUNK, engine_class=None,
-               lenient: bool = False, chat_template_kwargs: dict | None = None) -> FastAPI:
-    """A FastAPI app answering the OpenAI API with `llm` through one continuous-batching engine (prefill_chunk:
-    prompt tokens per step, None: whole; lenient: log an unknown field; chat_template_kwargs: every chat's default)."""
+               lenient: bool = False, chat_template_kwargs: dict | None = None, reasoning_budget: int | None = None):
+    """A FastAPI app answering the OpenAI API with `llm` through one engine (the flags of serve, docs/server.md)."""
     engine = engine_class or getattr(llm, "engine_class", Engine)  # nb 21's LeadEngine, or the llm's own (A6)
     bridge = EngineBridge(engine(llm.model, llm.tokenizer, num_blocks, block_size, max_num_seqs, prefill_chunk=prefill_chunk))
     bridge.request_timeout = validate_seconds("request_timeout", request_timeout, none_ok=True)
@@ -341,9 +346,10 @@ def create_app(llm: LLM, model_name: str = "minillm", num_blocks: int = 256, blo
     app.state.bridge, app.state.context, app.state.gate = bridge, context, gate
     app.state.drain = lambda: drain(bridge, gate, grace)
     add_error_handlers(app)
-    complete = completion_handler(llm, bridge, gate, context, model_name, max_body_bytes, lenient, chat_template_kwargs)
+    complete = completion_handler(llm, bridge, gate, context, model_name, max_body_bytes, lenient, chat_template_kwargs,
+                                  reasoning_budget)
     add_routes(app, llm, gate, context, max_body_bytes, lambda: model_list(model_name, context, adapter_names(llm.model)),
-               lenient)  # GET /v1/models, /v1/models/{id}; POST /tokenize, /detokenize
+               lenient, chat_template_kwargs)  # GET /v1/models, /v1/models/{id}; POST /tokenize, /detokenize
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -17,6 +17,7 @@ import uuid
 
 from minillm.runtime.engine import Output
 from minillm.text.reasoning import held_back  # notebook 10: the hold-back of a marker's start
+from minillm.text.tool_calls import XMLCallReader  # notebook 14: Qwen3.5's calls, read piece by piece
 from minillm.serve.openai_protocol import Reply, answer_text, reasoning_events, token_logprobs
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
@@ -60,6 +61,8 @@ class CallReader:
         self.arguments: list[str] = []  # normalized tokens of the arguments' value
         self.has_arguments = self.done = False
 
+    next_piece = staticmethod(lambda text: json_token(text, 0))  # (token, end) or None, as XMLCallReader's
+
     def take(self, token: str) -> None:
         """One token; ValueError when the block is not a call's JSON object."""
         if not self.stack:
@@ -97,12 +100,13 @@ class ToolCallStream:
     """One choice's streamed answer, with tools offered: `feed` each new piece of text, `end` at the
     finish; each returns (content to send, tool-call deltas to send)."""
 
-    def __init__(self, one_call: bool = False):
+    def __init__(self, one_call: bool = False, tools: list[dict] = ()):
         self.pending = ""  # text not yet sent: in text mode, what could begin a call; in a block, unread text
         self.space = ""  # trailing whitespace of the content sent so far: sent when more content follows
         self.raw = ""  # the block's text read so far (sent as content if it turns out not to be a call)
         self.reader: CallReader | None = None  # the open block's reader; None in text mode
         self.calls, self.complete, self.one_call = 0, 0, one_call  # calls begun, calls closed
+        self.tools = list(tools)  # the offered: their schemas read Qwen3.5's XML values
         self.id, self.sent = None, 0  # the open call's id once its name was sent; argument tokens sent
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -143,7 +147,11 @@ def read_text(s: ToolCallStream, content: list[str]) -> bool:
     s.pending = s.pending[upto:]
     if at < 0:
         return False
-    s.pending, s.raw, s.reader = s.pending[len(OPEN_TAG):], OPEN_TAG, CallReader()
+    body = s.pending[len(OPEN_TAG):]
+    if not body.strip():  # the block's first character says which reader: "<" Qwen3.5's XML, else JSON
+        return False
+    s.pending, s.raw = body, OPEN_TAG
+    s.reader = XMLCallReader(s.tools) if body.lstrip().startswith("<") else CallReader()
     return True
 
 
@@ -152,7 +160,7 @@ def read_block(s: ToolCallStream, content: list[str], deltas: list[dict]) -> boo
     </tool_call>. True when the block closed, or turned out to be text (text mode again)."""
     try:
         while not s.reader.done:
-            found = json_token(s.pending, 0)
+            found = s.reader.next_piece(s.pending)
             if found is None:
                 return False
             token, end = found
@@ -204,7 +212,7 @@ def tool_events(out: Output, reply: Reply, tokenizer, logprobs: bool) -> list[st
     """output_events for an answer that offered tools: the content and tool-call deltas this Output
     released, then on the last one the finish ("tool_calls" after a call)."""
     if reply.calls is None:
-        reply.calls = ToolCallStream(reply.one_call)
+        reply.calls = ToolCallStream(reply.one_call, reply.tools)
     events, text = reasoning_events(reply, answer_text(reply, out, tokenizer), out.finished)
     content, calls = reply.calls.feed(text)
     if out.finished:

@@ -17,6 +17,10 @@ import llguidance.torch
 import torch
 
 from minillm.text.grammar import DFA, UnsupportedSchema, lit, schema_pattern, seq
+from minillm.text.reasoning import END_THINK, THINK, closes_thinking, held_back
+
+THINK_BYTES, END_THINK_BYTES, SEPARATOR = THINK.encode(), END_THINK.encode(), b"\n\n"  # SEPARATOR: after </think>
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}  # as json.dumps
 
 
 def token_bytes_of(tokenizer, vocab_size: int) -> list[bytes]:
@@ -158,7 +162,8 @@ class UniqueKeys:
 
 def validate_response_format(response_format) -> tuple[dict, str, str] | None:
     """OpenAI's response_format (or a pydantic model class) -> (schema, prefix, suffix), or None for free
-    text; minillm's own type "tool_call" ({"schema", "prefix", "suffix"}) forces a function call."""
+    text; minillm's own type "tool_call" ({"schema", "prefix", "suffix"}) forces a function call (one that
+    brings its own Lark grammar, {"lark": ...}, is None here: only Constraints compiles it)."""
     if response_format is None:
         return None
     if hasattr(response_format, "model_json_schema"):  # a pydantic model
@@ -167,7 +172,7 @@ def validate_response_format(response_format) -> tuple[dict, str, str] | None:
     if kind not in ("text", "json_object", "json_schema", "tool_call"):
         raise ValueError(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, "
                          f"got {response_format!r}")
-    if kind == "text":
+    if kind == "text" or kind == "tool_call" and isinstance(response_format.get("lark"), str):
         return None
     if kind == "json_object":
         return {"type": "object"}, "", ""
@@ -183,8 +188,7 @@ def guidance_grammar(schema: dict, prefix: str, suffix: str, lltokenizer) -> str
         raise UnsupportedSchema(f"a schema must be a JSON object, got {schema!r}")
     try:
         if prefix or suffix:
-            body = json.dumps({**schema, "x-guidance": {"item_separator": ", ", "key_separator": ": ",
-                                                        "whitespace_flexible": False}})
+            body = json.dumps({**schema, "x-guidance": JSON_LAYOUT})
             grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {json.dumps(prefix)} %json {body} {json.dumps(suffix)}")
         else:
             grammar = llguidance.JsonCompiler(separators=(", ", ": ")).compile(json.dumps(schema))  # keys in order
@@ -214,12 +218,15 @@ class Constraints:
 
     def for_schema(self, schema: dict, prefix: str = "", suffix: str = "") -> UniqueKeys:
         """A fresh constraint for prefix + JSON following `schema` + suffix, no key twice in an object."""
+        return UniqueKeys(self._inner(schema, prefix, suffix), *self._token_bytes(), prefix)
+
+    def _token_bytes(self) -> tuple[list[bytes], torch.Tensor]:
         if self._keys is None:  # each token's bytes, and which hold a quote
             token_bytes = token_bytes_of(self.tokenizer, self.vocab_size)
             quoted = torch.zeros(self.vocab_size, dtype=torch.bool)
             quoted[[i for i, data in enumerate(token_bytes) if b'"' in data]] = True
             self._keys = (token_bytes, quoted)
-        return UniqueKeys(self._inner(schema, prefix, suffix), *self._keys, prefix)
+        return self._keys
 
     def _inner(self, schema: dict, prefix: str, suffix: str):
         key = json.dumps([schema, prefix, suffix])  # not sorted: key order matters
@@ -229,14 +236,158 @@ class Constraints:
                 self.compiled[key] = (DFA(seq(lit(prefix), schema_pattern(schema), lit(suffix))), {})
             dfa, masks = self.compiled[key]
             return JSONConstraint(dfa, self._vocabulary, masks)
+        if key not in self.compiled:
+            self.compiled[key] = guidance_grammar(schema, prefix, suffix, self._llguidance())
+        return GuidanceConstraint(llguidance.LLMatcher(self._llguidance(), self.compiled[key]), self.vocab_size)
+
+    def _llguidance(self) -> llguidance.LLTokenizer:
         if self._lltokenizer is None:
             self._lltokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                                        eos_token=list(self.tokenizer.eos_token_ids))
-        if key not in self.compiled:
-            self.compiled[key] = guidance_grammar(schema, prefix, suffix, self._lltokenizer)
-        return GuidanceConstraint(llguidance.LLMatcher(self._lltokenizer, self.compiled[key]), self.vocab_size)
+        return self._lltokenizer
 
-    def for_format(self, response_format):
-        """The constraint of an OpenAI response_format, or None for free text."""
+    def for_format(self, response_format, thinking: bool | None = None, budget: int | None = None,
+                   prompt_ids=()):
+        """The constraint of an OpenAI response_format, or None for free text. thinking (LLM.thinking of
+        the prompt; None: the template does not think) puts the grammar after the reasoning, and budget
+        (reasoning tokens, or None) ends the reasoning: ThinkingGate, below. A prompt that closed an empty
+        thinking (enable_thinking=false) gets the grammar from the first token."""
+        make = self._maker(response_format)  # compiled now: a bad format fails here
+        if thinking is False and closes_thinking(self.tokenizer.decode(list(prompt_ids[-16:]))):
+            thinking = None
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise ValueError(f"reasoning_budget must be an integer >= 0 (tokens of reasoning), got {budget!r}")
+        if thinking is None or make is None and budget is None:
+            return None if make is None else make()
+        return ThinkingGate(make, self._token_bytes()[0], self.vocab_size, self.tokenizer.eos_token_ids,
+                            self.compiled.setdefault("gate", {}), thinking, budget)
+
+    def _maker(self, response_format):
+        """A function making fresh constraints of the format, or None for free text."""
+        if isinstance(response_format, dict) and isinstance(response_format.get("lark"), str):  # tool_calls' XML
+            grammar = self._lark(response_format["lark"])
+            return lambda: GuidanceConstraint(llguidance.LLMatcher(self._llguidance(), grammar), self.vocab_size)
         spec = validate_response_format(response_format)
-        return None if spec is None else self.for_schema(*spec)
+        if spec is None:
+            return None
+        self._inner(*spec)  # compiles it (once per backend)
+        return lambda: self.for_schema(*spec)
+
+    def _lark(self, text: str) -> str:
+        """A Lark grammar checked by llguidance (the minillm backend reads JSON schemas only)."""
+        if self.backend == "minillm":
+            raise UnsupportedSchema("the minillm backend follows JSON schemas only; this format is a Lark "
+                                    "grammar (Qwen3.5's XML tool calls): use the llguidance backend")
+        if text not in self.compiled:
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_lark(text)
+            except ValueError as exc:
+                raise UnsupportedSchema(f"grammar not supported: {exc}") from None
+            error = llguidance.LLMatcher.validate_grammar(grammar, self._llguidance())
+            if error:
+                raise UnsupportedSchema(f"grammar not supported: {error}")
+            self.compiled[text] = grammar
+        return self.compiled[text]
+
+
+class ThinkingGate:
+    """A thinking model's constraint: free reasoning until </think>, then the format's grammar (a fresh
+    make_inner(); None: free text). States: "start" (the answer may still open <think>), "thinking",
+    "closing" (text forced), "answer"; the steps between them are the functions below."""
+
+    def __init__(self, make_inner, token_bytes: list[bytes], vocab_size: int, eos_token_ids, masks: dict,
+                 thinking: bool, budget: int | None = None):
+        self.make_inner, self.token_bytes, self.masks = make_inner, token_bytes, masks  # masks: shared cache
+        self.free = masks.setdefault("free", torch.ones(vocab_size, dtype=torch.bool))
+        self.reasoning = self.free if make_inner is None else masks.setdefault("no end", self.free.clone())
+        self.reasoning[list(eos_token_ids)] = make_inner is None  # with a format the answer must reach it
+        self.budget, self.spent, self.text, self.forced = budget, 0, b"", b""  # text: the last bytes read
+        self.state, self.inner, self.inner_mask = "start", make_inner() if make_inner else None, None
+        if thinking:  # the prompt opened <think>
+            enter_thinking(self, b"")
+
+    def mask(self) -> torch.Tensor:
+        """(V,) bool: True where the token may come next."""
+        if self.state == "start":  # the spellings of <think>, or the grammar's first tokens
+            opening = spelling_mask(self, "open", self.text)
+            if self.inner is None:
+                return opening if self.make_inner else self.free
+            self.inner_mask = self.inner.mask()  # kept: advance asks whether the token was the grammar's
+            return opening | self.inner_mask
+        if self.state == "closing":
+            return spelling_mask(self, "force", self.forced)
+        return self.reasoning if self.state == "thinking" else self.free if self.inner is None else self.inner.mask()
+
+    def advance(self, token_id: int) -> None:
+        data = self.token_bytes[token_id] if token_id < len(self.token_bytes) else b""
+        if self.state == "start":
+            read_start(self, token_id, data)
+        elif self.state == "thinking":
+            self.spent += 1
+            read_reasoning(self, data)
+        elif self.state == "closing":
+            self.forced = self.forced[len(data):]
+            if not self.forced:
+                enter_answer(self)
+        elif self.inner is not None:
+            self.inner.advance(token_id)
+
+
+def read_start(g: ThinkingGate, token_id: int, data: bytes) -> None:
+    """The first tokens: <think> opened (reasoning), still possible, or not (the answer, under the grammar)."""
+    if g.inner is not None and (g.inner_mask if g.inner_mask is not None else g.inner.mask())[token_id]:
+        g.inner.advance(token_id)
+    else:
+        g.inner = None
+    text = (g.text + data).lstrip()
+    if text.startswith(THINK_BYTES):
+        enter_thinking(g, text[len(THINK_BYTES):])
+    elif THINK_BYTES.startswith(text):
+        g.text = text
+    else:
+        g.state = "answer"
+
+
+def enter_thinking(g: ThinkingGate, text: bytes) -> None:
+    g.state, g.inner, g.text = "thinking", None, b""
+    read_reasoning(g, text)
+
+
+def read_reasoning(g: ThinkingGate, data: bytes) -> None:
+    """Reasoning text: </think> ends it (then a grammar waits for the separator); so does the budget."""
+    g.text += data
+    at = g.text.find(END_THINK_BYTES)
+    if at >= 0:
+        after = g.text[at + len(END_THINK_BYTES):]
+        g.forced, g.state = SEPARATOR[len(after):] if g.make_inner and SEPARATOR.startswith(after) else b"", "closing"
+        if not g.forced:
+            enter_answer(g)
+    elif g.budget is not None and g.spent >= g.budget:  # finish a </think> begun, else write it all
+        begun = held_back(g.text, END_THINK_BYTES)
+        g.forced, g.state = (END_THINK_BYTES[begun:] if begun else b"\n" + END_THINK_BYTES) + SEPARATOR, "closing"
+    g.text = g.text[-len(END_THINK_BYTES):]
+
+
+def enter_answer(g: ThinkingGate) -> None:
+    g.state, g.inner = "answer", g.make_inner() if g.make_inner else None
+
+
+def spelling_mask(g: ThinkingGate, kind: str, text: bytes) -> torch.Tensor:
+    """The tokens that keep an opening <think> possible after `text` (kind "open") or spell a beginning
+    of the forced `text` ("force"); kept per text, shared by every request."""
+    if (kind, text) not in g.masks:
+        mask = torch.zeros_like(g.free)
+        if kind == "open":
+            ok = [i for i, b in enumerate(g.token_bytes) if b and opens(text + b)]
+        else:
+            ok = [i for i, b in enumerate(g.token_bytes) if b and text.startswith(b)]
+        mask[ok] = True
+        g.masks[kind, text] = mask
+    return g.masks[kind, text]
+
+
+def opens(text: bytes) -> bool:
+    """Whether text, leading whitespace aside, begins <think> (or is it, and more): whitespace alone does
+    not, or a token of it would lead a grammar that takes none into thinking."""
+    text = text.lstrip()
+    return bool(text) and (THINK_BYTES.startswith(text) or text.startswith(THINK_BYTES))

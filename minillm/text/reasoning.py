@@ -29,6 +29,11 @@ def opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rfind(THINK) > prompt_text.rfind(END_THINK)
 
 
+def closes_thinking(prompt_text: str) -> bool:
+    """Whether a rendered prompt ends in a closed <think></think> (enable_thinking=false): no reasoning is due."""
+    return prompt_text.rstrip().endswith(END_THINK)
+
+
 def template_thinks(template: str | None) -> bool:
     """Whether a chat template knows reasoning blocks (it writes or strips </think>)."""
     return template is not None and END_THINK in template

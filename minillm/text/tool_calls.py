@@ -1,9 +1,11 @@
 # Generated from notebooks/14_structured_outputs.ipynb by tools/nbexport.py: edit the notebook, not this file.
 
-"""Tool calls: OpenAI's tools and tool_choice over a chat template, in the Hermes format of Qwen2.5 and Qwen3.
+"""Tool calls: OpenAI's tools and tool_choice over a chat template, in the Hermes format of Qwen2.5 and
+Qwen3 and the XML format of Qwen3.5.
 
 Built in notebooks/14_structured_outputs.ipynb on minillm/text/constrained.py. A model calls a function
-by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
+by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>, or (Qwen3.5, Qwen3-Coder)
+<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>, with newlines between.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import re
 import uuid
 
+from minillm.text.constrained import JSON_LAYOUT
 from minillm.text.tokenizer_files import template_named
 from minillm.utils.validate import lone_surrogate, shown
 
@@ -20,12 +23,15 @@ CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
-def call_format(tools: list[dict], choice) -> dict | None:
-    """The response_format that forces a call ("required" or a named function), or None ("auto", "none")."""
+def call_format(tools: list[dict], choice, style: str = "json") -> dict | None:
+    """The response_format that forces a call ("required" or a named function), or None ("auto", "none");
+    style "xml" (call_style, below): Qwen3.5's spelling, a Lark grammar."""
     if not isinstance(choice, dict) and choice != "required":
         return None
     allowed = [t["function"] for t in tools if not isinstance(choice, dict) or
                t["function"]["name"] == choice["function"]["name"]]
+    if style == "xml":
+        return {"type": "tool_call", "lark": xml_call_grammar(allowed)}
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": f["name"]}, "arguments": closed_arguments(f.get("parameters") or None)}}
              for f in allowed]
@@ -85,27 +91,37 @@ def encode_with_tools(tokenizer, messages: list[dict], tools: list[dict], templa
                       **template_kwargs) -> list[int]:
     """Prompt ids of a chat that offers `tools`: rendered by the template if it can, else by the messages
     (template_kwargs: the template's own variables, checked by the caller)."""
-    template = template_named(tokenizer.chat_templates, template_name, tokenizer.source, bool(tools),
-                              tokenizer.chat_template)
+    template = tools_template(tokenizer, template_name, bool(tools))
     has_tools = "tools" in (template or "")
     extra = {"tools": tools} if tools and has_tools else {}
     return tokenizer.apply_chat_template(template_messages(messages, tools, has_tools), template_name=template_name,
                                          **template_kwargs, **extra)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer: each <tool_call> block of JSON {"name", "arguments"} is a call."""
+def tools_template(tokenizer, template_name: str | None = None, tools: bool = True) -> str | None:
+    """The chat template a chat with (or without) tools is rendered by."""
+    return template_named(tokenizer.chat_templates, template_name, tokenizer.source, tools, tokenizer.chat_template)
+
+
+def parse_tool_calls(text: str, tools: list[dict] = ()) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of an answer: each <tool_call> block of JSON {"name", "arguments"}, or of
+    Qwen3.5's XML (read by the offered `tools`' schemas, below), is a call."""
     calls = []
 
     def take(block: re.Match) -> str:
-        try:
-            call = json.loads(block.group(1))
-        except json.JSONDecodeError:
-            call = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        if block.group(1).startswith("<function="):
+            call = read_xml_call(block.group(1), tools)
+        else:
+            try:
+                call = json.loads(block.group(1))
+            except json.JSONDecodeError:
+                call = None
+            valid = isinstance(call, dict) and isinstance(call.get("name"), str)
+            call = (call["name"], json.dumps(call.get("arguments", {}))) if valid else None
+        if call is None:
             return block.group(0)  # not a call: stays in the content
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+                      "function": {"name": call[0], "arguments": call[1]}})
         return ""
 
     content = CALL.sub(take, text)
@@ -171,3 +187,129 @@ def checked_choice(choice, names: list[str]) -> str | dict:
         raise ValueError(f"tool_choice.function.name must name a function of tools ({shown(names, 60)}), "
                          f"got {shown(name)}")
     return choice
+
+
+XML_OPEN, XML_CLOSE = "<tool_call>\n<function=", "</function>\n</tool_call>"
+TAG = re.compile(r"<(function|parameter)=([^<>\n]{1,256})>|</(function|parameter)>")
+TAG_STARTS = ("<function=", "<parameter=", "</function>", "</parameter>")
+
+
+def could_be_tag(text: str) -> bool:
+    """Whether text with no '>' yet may still become one of the four tags."""
+    return len(text) < 280 and ">" not in text and any(t.startswith(text[:len(t)]) for t in TAG_STARTS)
+
+
+def call_style(template: str | None) -> str:
+    """How the template's model writes a call: "xml" (Qwen3.5, Qwen3-Coder: <function=NAME>) or "json" (Hermes)."""
+    return "xml" if template is not None and "<function=" in template else "json"
+
+
+def types_of(schema) -> list:
+    """The JSON types a schema names ([None] if it names none)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind if isinstance(kind, list) else [kind]
+
+
+def xml_value(text: str, schema: dict | None):
+    """A parameter's text as its schema's type reads it: a string as written, any other type as JSON (and
+    Python's True/False, as a template's |string writes them); text that does not read stays text."""
+    if "string" in types_of(schema):
+        return text
+    if "boolean" in types_of(schema) and text.strip() in ("True", "False"):
+        return text.strip() == "True"
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class XMLCallReader:
+    """One call in Qwen3.5's format, a piece at a time (next_piece, then take): its name, then its arguments
+    as JSON fragments joining to json.dumps of them. States: function, params, value, close (drawn above)."""
+
+    def __init__(self, tools: list[dict]):
+        self.properties = {t["function"]["name"]: ((t["function"].get("parameters") or {}).get("properties") or {})
+                           for t in tools}  # name -> {parameter: schema}: how to read the values
+        self.state, self.name, self.param, self.seen = "function", None, None, set()
+        self.arguments, self.done = [], False  # the JSON fragments so far; </function> read
+
+    def next_piece(self, text: str) -> tuple[str, int] | None:
+        """(piece, end): a tag or a value, and where it ends; None while incomplete; ValueError: not a call."""
+        if self.state == "value":
+            at = text.find("</parameter>")
+            return None if at < 0 else (text[:at], at)
+        start = len(text) - len(text.lstrip())
+        tag = TAG.match(text, start)
+        if tag is not None:
+            return tag.group(0), tag.end()
+        if not could_be_tag(text[start:]):
+            raise ValueError(f"not a call's XML at {text[start:start + 20]!r}")
+        return None
+
+    def take(self, piece: str) -> None:
+        """One piece; ValueError when it does not belong here (a parameter twice is not a call either)."""
+        tag = TAG.fullmatch(piece) if self.state != "value" else None
+        opens = tag.group(1) if tag else None
+        if self.state == "value":
+            value = xml_value(piece.removeprefix("\n").removesuffix("\n"), self.properties.get(self.name, {}).get(self.param))
+            self.arguments.append(("{" if not self.arguments else ", ") + json.dumps(self.param) + ": " + json.dumps(value))
+            self.state = "close"
+        elif self.state == "function" and opens == "function":
+            self.name, self.state = tag.group(2), "params"
+        elif self.state == "params" and opens == "parameter" and tag.group(2) not in self.seen:
+            self.param, self.state = tag.group(2), "value"
+            self.seen.add(self.param)
+        elif self.state == "params" and piece == "</function>":
+            self.arguments.append("}" if self.arguments else "{}")
+            self.done = True
+        elif self.state == "close" and piece == "</parameter>":
+            self.state = "params"
+        else:
+            raise ValueError(f"{piece[:40]!r} does not belong in a call here (state {self.state})")
+
+
+def read_xml_call(body: str, tools: list[dict]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a whole block's body in Qwen3.5's format, or None if it is not one."""
+    reader, at = XMLCallReader(tools), 0
+    try:
+        while not reader.done:
+            found = reader.next_piece(body[at:])
+            if found is None:
+                return None
+            reader.take(found[0])
+            at += found[1]
+    except ValueError:
+        return None
+    return (reader.name, "".join(reader.arguments)) if not body[at:].strip() else None
+
+
+def xml_call_grammar(functions: list[dict]) -> str:
+    """Lark (llguidance's grammar language) for one call of one of `functions` in Qwen3.5's format: the
+    tags fixed, the declared parameters in order (the required ones always, closed as in strict mode),
+    a string as any text up to its </parameter> (or one of its enum), any other value as JSON of its schema."""
+    rules, texts = [], []  # texts: a terminal per free-text value
+    for f in functions:
+        parameters = closed_arguments(f.get("parameters") or None)
+        required, items = set(parameters.get("required") or []), []
+        for name, schema in (parameters.get("properties") or {}).items():
+            item = f'"<parameter={json.dumps(name)[1:-1]}>\\n" {xml_value_rule(schema, texts)}'
+            items.append(item if name in required else f"({item})?")
+        rules.append(" ".join([json.dumps(f["name"] + ">\n"), *items]))
+    start = f"start: {json.dumps(XML_OPEN)} ({' | '.join(rules)}) {json.dumps(XML_CLOSE)}"
+    return "\n".join([start, *(f"TEXT{i}: {text}" for i, text in enumerate(texts))])
+
+
+def xml_value_rule(schema, texts: list[str]) -> str:
+    """The Lark of one parameter's value and its end tag: a string's text (its enum or const if it has one)
+    as a terminal added to `texts`, any other value as JSON."""
+    end = json.dumps("\n</parameter>\n")
+    if "string" not in types_of(schema):
+        return "%json " + json.dumps({**(schema if isinstance(schema, dict) else {}), "x-guidance": JSON_LAYOUT}) + " " + end
+    options = [schema["const"]] if "const" in schema else schema.get("enum")
+    if options:
+        return "(" + " | ".join(json.dumps(str(o)) for o in options) + ") " + end
+    longest = schema.get("maxLength")
+    length = f".{{0,{longest}}}\\n?" if isinstance(longest, int) and longest >= 0 else ".*"
+    # the text and its end tag as one lexeme: no </parameter> before the end, and at most maxLength characters
+    texts.append(rf'((~/(?s:.*<\/parameter>.*)/) "</parameter>\n") & /(?s:{length})<\/parameter>\n/')
+    return f"TEXT{len(texts) - 1}"

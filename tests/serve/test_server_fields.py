@@ -128,8 +128,9 @@ def test_parallel_tool_calls_false_keeps_one_call(servers):
     _, strict, _ = servers
     two = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
-    both = Reply(True, MODEL, 5, tools=True).choice(two, "stop")["message"]["tool_calls"]
-    one = Reply(True, MODEL, 5, tools=True, one_call=True).choice(two, "stop")
+    weather = [{"type": "function", "function": {"name": "get_weather"}}]  # the tools offered
+    both = Reply(True, MODEL, 5, tools=weather).choice(two, "stop")["message"]["tool_calls"]
+    one = Reply(True, MODEL, 5, tools=weather, one_call=True).choice(two, "stop")
     assert len(both) == 2 and one["finish_reason"] == "tool_calls"
     assert [c["function"] for c in one["message"]["tool_calls"]] == [both[0]["function"]]  # ids are random
     body = {**HELLO, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40,

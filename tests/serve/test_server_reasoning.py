@@ -11,6 +11,7 @@ same request, and to the raw text the prompt generates.
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -78,6 +79,10 @@ def test_the_servers_default_kwargs_and_a_request_over_them(thinking_llm):
     try:
         assert whole(client)[1]["reasoning"] is None
         assert whole(client, extra_body={"chat_template_kwargs": {"enable_thinking": True}})[1]["reasoning"]
+        for kwargs in ({}, {"enable_thinking": True}):  # /tokenize renders the prompt the same way
+            body = {"messages": ASK, **({"chat_template_kwargs": kwargs} if kwargs else {})}
+            ids = httpx.post(background.url + "/tokenize", json=body, timeout=60).json()["tokens"]
+            assert ids == thinking_llm.encode_chat(ASK, **{"enable_thinking": False, **kwargs})
     finally:
         background.stop()
     with pytest.raises(ValueError, match="default chat_template_kwargs.messages is set from the request"):
