@@ -102,7 +102,7 @@ def test_the_server_answers_with_the_greedy_tokens(folder):
 def test_the_command_line_streams_it(folder):
     llm, ref = load_quietly(folder), load_file(folder / "reference.safetensors")
     args = Namespace(max_new_tokens=32, stop=[], num_draft=None, stats=False, speculative=None,
-                     speculative_max_batch=None)
+                     speculative_max_batch=None, reasoning_budget=None)
     text, _ = _print_stream(llm, ref["input_ids_2"].tolist(), args, SamplingParams(temperature=0), None)
     assert text == llm.tokenizer.decode(ref["greedy_2"].tolist())
 

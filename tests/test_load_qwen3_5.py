@@ -138,7 +138,7 @@ def test_the_command_line_streams_it(folder, speculative, capsys):
     """`python -m minillm generate` streams through the llm's own cache (and drafter): the stored greedy answer."""
     llm = load_quietly(folder)
     args = Namespace(max_new_tokens=32, stop=[], num_draft=None, stats=False, speculative=speculative,
-                     speculative_max_batch=None)
+                     speculative_max_batch=None, reasoning_budget=None)
     drafter = _drafter(llm, args) if speculative else None
     text, _ = _print_stream(llm, REFERENCE["input_ids_3"].tolist(), args, SamplingParams(temperature=0), drafter)
     assert text == llm.tokenizer.decode(REFERENCE["greedy_3"].tolist())
