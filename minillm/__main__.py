@@ -143,8 +143,8 @@ def _add_weight_flags(p: argparse.ArgumentParser) -> None:
                         "(keep a .gguf file's Q4_0/Q4_1/Q8_0 blocks, dequantize its other types; cpu); default: none")
     p.add_argument("--group-size", type=int, help="inputs per int4 scale: 32, 64, 128 or 256 (default: 32)")
     p.add_argument("--fast", action="store_true", help="the fast path: fused projections, SDPA (notebook 13)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the fast path (needs --fast; "
-                                                          "about 20 s of compiling the first time)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the fast path at load (needs --fast; a "
+                                                          "minute the first time; --fast --quantize int4 alone is faster)")
 
 
 def _messages(args, text: str) -> list[dict]:

@@ -29,7 +29,7 @@ from minillm.runtime.hybrid_engine import HybridEngine
 from minillm.runtime.llm import load_tokenizer
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import ModelDrafter, NgramDrafter, int4_drafter, stream as speculative_stream
-from minillm.speed.fast import FastCausalLM
+from minillm.speed.fast import FastCausalLM, compile_now
 from minillm.speed.moe import FastMoeCausalLM, quantize_moe_model
 from minillm.speed.quant import GROUP_SIZES, MODES, load_gguf_quantized, quantize_model
 from minillm.text.constrained import Constraints
@@ -213,8 +213,8 @@ def _weight_options(net: CausalLM, quantize: str | None, group_size: int, fast: 
     moe = isinstance(net, MoeCausalLM)  # notebook 23's quantized experts and fast path
     if fast:
         net = (FastMoeCausalLM if moe else FastCausalLM)(net, quantize=quantize, group_size=group_size)
-        if compile:
-            net.compile()
+        if compile:  # both graphs now, each announced on stderr, not inside the first answer
+            compile_now(net.compile())
     elif quantize is not None:
         net = (quantize_moe_model if moe else quantize_model)(net, quantize, group_size)
     return net

@@ -223,3 +223,25 @@ def fast_int8_table(weight: torch.Tensor, kernel: str) -> tuple[nn.Module, nn.Mo
     """quant.int8_table (lookup and head sharing int8 rows), the head on the integer-dot kernel if it builds."""
     embed, head = int8_table(weight, "auto" if kernel == "dot8" else kernel)
     return embed, Int8DotLinear(head) if use_dot8(kernel, "int8", weight.device) else head
+
+
+def decode_layer_parts(layer) -> dict | None:
+    """The C++ decode layer's fixed arguments for notebook 13's FastLayer, or None where it cannot run it."""
+    mlp = layer.mlp
+    linears = [layer.qkv_proj, layer.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
+    if (not all(isinstance(lin, Int4DotLinear) for lin in linears) or len({lin.group_size for lin in linears}) != 1
+            or layer.input_norm.dtype != torch.float32 or layer.D % 16):
+        return None
+    norms = [layer.input_norm, layer.post_norm] + ([] if layer.q_norm is None else [layer.q_norm, layer.k_norm])
+    return {"norms": [n.detach() for n in norms], "packed": [lin.packed for lin in linears],
+            "biases": [None if lin.bias is None else lin.bias.detach().float() for lin in linears],
+            "sizes": [layer.H, layer.Hkv, layer.D, mlp.intermediate_size, linears[0].group_size], "eps": layer.eps}
+
+
+def decode_in_one_call(parts: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                       pos: int) -> torch.Tensor:
+    """One token through a layer in one op: x (1, 1, h) -> (1, 1, h); the KVCache's slot pos written."""
+    y = torch.ops.minillm_cpu.decode_layer(x.view(1, -1), parts["norms"], parts["packed"], parts["biases"],
+                                           parts["sizes"], parts["eps"], cache.k, cache.v, pos, cos.view(-1),
+                                           sin.view(-1))  # (1, h)
+    return y.view(x.shape)

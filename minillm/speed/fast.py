@@ -20,14 +20,18 @@ References: gpt-fast (fused qkv, int4 weight-only decode); PyTorch's SDPA docume
 
 from __future__ import annotations
 
+import sys
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from minillm.cache.dense import KVCache, make_cache
 from minillm.model.attention import attention_mask as build_attention_mask
 from minillm.model.decoder import (CausalLM, ModelConfig, validate_forward_inputs, keep_columns, padded_positions,
                                    rope_frequencies, rope_scale)
-from minillm.speed.cpu_kernel import fast_int8_table, fast_quantized_linear
+from minillm.speed.cpu_kernel import decode_in_one_call, decode_layer_parts, fast_int8_table, fast_quantized_linear
 from minillm.speed.quant import MODES
 
 QUANTIZE_CHOICES = (None, *MODES)  # None: the model's own dtype
@@ -106,6 +110,20 @@ class FusedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def takes_one_call(layer, tokens: int, cache) -> bool:
+    """Whether a FastLayer runs this step in A4's C++ op: int4 parts, one token, a dense cache, not tracing."""
+    return layer.one_call is not None and tokens == 1 and type(cache) is KVCache and not torch.compiler.is_compiling()
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cache, pos: int, causal: bool) -> Tensor:
+    """q (B, H, T, D) attends to this step's k, v (B, Hkv, T, D) and the cache's: (B, H, T, D)."""
+    if hasattr(cache, "attend"):  # paged attention (notebook 16): the cache reads its own blocks
+        return cache.attend(q, k, v)
+    k, v = (k, v) if cache is None else cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
+    # no mask: no padding, so decode sees every key and a fresh prompt is plainly causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+
+
 class FastLayer(nn.Module):
     """One decoder layer, rebuilt: fused qkv and gate_up, RoPE on q and k together, SDPA with GQA."""
 
@@ -126,12 +144,15 @@ class FastLayer(nn.Module):
         self.qkv_proj = q(fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj), "qkv_proj")  # h -> (H + 2 Hkv) D
         self.o_proj = q(attn.o_proj, "o_proj")
         self.mlp = self.fast_mlp(mlp, q, quantize)  # FusedMLP; notebook 23's experts build their own here
+        self.one_call = decode_layer_parts(self)  # int4 on A4's kernel: a decode step's arguments, else None
 
     def fast_mlp(self, mlp, q, quantize: str | None) -> nn.Module:
         return FusedMLP(mlp, q)  # quantize (None: float) is for subclasses: q already applies it
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, pos: int, causal: bool) -> Tensor:
         B, T, h = x.shape
+        if takes_one_call(self, B * T, cache):
+            return decode_in_one_call(self.one_call, x, cos, sin, cache, pos)  # appendix A4's C++ layer
         H, Hkv, D = self.H, self.Hkv, self.D
         qkv = self.qkv_proj(F.rms_norm(x, (h,), self.input_norm, self.eps))  # (B, T, (H + 2 Hkv) D)
         qkv = qkv.view(B, T, H + 2 * Hkv, D)
@@ -142,13 +163,7 @@ class FastLayer(nn.Module):
         rotated = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)  # rotate_half, q and k at once
         qk = qk * cos + rotated * sin  # cos, sin (B or 1, T, 1, D) broadcast over the heads
         q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        if hasattr(cache, "attend"):  # paged attention (notebook 16): the cache reads its own blocks
-            out = cache.attend(q, k, v)  # (B, H, T, D)
-        else:
-            k, v = (k, v) if cache is None else cache.update(pos, k, v)  # (B, Hkv, pos + T, D)
-            # no mask: no padding, so decode sees every key and a fresh prompt is plainly causal
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=True)  # (B, H, T, D)
+        out = cached_attention(q, k, v, mask, cache, pos, causal)  # (B, H, T, D)
         x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, h)
         return x + self.mlp(F.rms_norm(x, (h,), self.post_norm, self.eps))  # (B, T, h)
 
@@ -164,10 +179,8 @@ def validate_fast_model(model, quantize) -> None:
 class FastCausalLM(nn.Module):
     """CausalLM's forward contract, rebuilt for speed from a loaded CausalLM (see the module docstring).
 
-    quantize: None (the model's own dtype), "int8" (per channel) or "int4" (group-wise, group_size);
-    kernel: "auto", "packed" or "reference" for the quantized layers (see minillm.speed.quant). Projections
-    are copied (fused); a tied head, quantized, shares one int8 table with the embedding; norms are shared.
-    """
+    quantize: None (the model's own dtype), "int8" (per channel) or "int4" (group-wise, group_size); kernel:
+    "auto", "packed" or "reference" (minillm.speed.quant). Projections are fused copies; norms are shared."""
 
     layer_class = FastLayer  # notebook 23's mixture of experts swaps in its own
 
@@ -205,5 +218,22 @@ class FastCausalLM(nn.Module):
         cos, sin = rope_rows(self.cos, self.sin, positions, attention_mask, start_pos, T, S)
         mask = fast_mask(T, S, start_pos, attention_mask, input_ids.device)
         causal = mask is None and T > 1  # a plain bool here: in torch.compile a SymBool (a graph break per layer)
-        x = self._layers(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos, causal)  # (B, T, h)
+        run = self._run_layers if cache and takes_one_call(self.layers[0], B * T, cache[0]) else self._layers  # A4
+        x = run(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos, causal)  # (B, T, h)
         return self.lm_head(keep_columns(x, logits_to_keep))  # (B, T or n, V)
+
+
+def compile_now(model: FastCausalLM, say=lambda line: print(line, file=sys.stderr, flush=True)) -> FastCausalLM:
+    """Compile a .compile()'d model's prompt and decode graphs now (an 11-token prompt, then one step), saying
+    each (on stderr: a command's output stays the answer)."""
+    # sizes no model dimension has: a first trace makes equal sizes one symbol, and one of them would fix the other
+    cache = make_cache(model.config, 1, 29, dtype=model.cos.dtype, device=model.cos.device)
+    ids = torch.zeros(1, 11, dtype=torch.long, device=model.cos.device)
+    with torch.no_grad():
+        steps = [("prompt", lambda: model(ids, cache=cache)), ("decode", lambda: model(ids[:, :1], cache=cache, start_pos=11))]
+        for what, run in steps[:1] if takes_one_call(model.layers[0], 1, cache[0]) else steps:  # A4: decode not compiled
+            say(f"minillm: compiling the {what} graph (minutes the first time; then from torch's cache)...")
+            t0 = time.perf_counter()
+            run()
+            say(f"minillm: {what} graph ready in {time.perf_counter() - t0:.1f} s")
+    return model
