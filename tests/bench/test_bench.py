@@ -125,7 +125,7 @@ def test_memory_and_engine(result):
     weights = rows(result, variant="readable", metric="weight memory")[0]
     assert weights["minillm"] == pytest.approx(weights["transformers"], rel=0.01)  # the same fp32 tensors
     engine = rows(result, section="engine")
-    assert {r["variant"] for r in engine} == {"readable", "fast"} and all(r["n"] == 4 for r in engine)
+    assert {r["variant"] for r in engine} == {"readable", "fast", "fast-int4"} and all(r["n"] == 4 for r in engine)
     assert all(r["minillm"] > 0 and r["transformers"] > 0 for r in engine)
 
 
@@ -322,10 +322,14 @@ def test_tp_section(result):
 
 
 def test_llamacpp_peer_needs_a_gguf_and_names_its_install(result, monkeypatch):
-    """--peers llama.cpp on the tiny fixture (a folder) is skipped with the reason; without llama-cpp-python
-    the runner's error says how to install it."""
-    assert "llama.cpp runs a .gguf file" in result["skipped"]["decode: llama.cpp"]
+    """--peers llama.cpp on the tiny fixture (a folder) is skipped with the reason, llama-cpp-python and
+    llama.cpp's own llama-bench and llama-server alike; without llama-cpp-python the runner's error says
+    how to install it."""
+    for key, peer in [("decode: llama.cpp", "llama.cpp"), ("decode: llama-bench", "llama-bench"),
+                      ("serve: llama-server", "llama-server")]:
+        assert f"{peer} runs a .gguf file" in result["skipped"][key]
     assert not rows(result, section="decode", metric="decode vs llama.cpp")
+    assert not rows(result, metric="decode vs llama-bench") and not rows(result, variant="http vs llama-server")
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install llama-cpp-python"):
         bench_peers.llamacpp_runner(Path("model.gguf"), 2, 64)
