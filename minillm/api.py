@@ -213,7 +213,7 @@ def _weight_options(net: CausalLM, quantize: str | None, group_size: int, fast: 
     moe = isinstance(net, MoeCausalLM)  # notebook 23's quantized experts and fast path
     if fast:
         net = (FastMoeCausalLM if moe else FastCausalLM)(net, quantize=quantize, group_size=group_size)
-        if compile:  # both graphs now, each announced on stderr, not inside the first answer
+        if compile:  # its graphs now, each announced on stderr, not inside the first answer
             compile_now(net.compile())
     elif quantize is not None:
         net = (quantize_moe_model if moe else quantize_model)(net, quantize, group_size)

@@ -16,6 +16,7 @@ greedy decoding, end-of-sequence disabled, and the same thread count.
     python -m minillm.bench serve --rate 2          # requests arriving over time: latency and goodput
     python -m minillm.bench qwen3_5                 # a Qwen3.5-0.8B-shaped hybrid (random weights); not in `all`
     python -m minillm.bench moe                     # Qwen3-30B-A3B's MoE layers (random weights); not in `all`
+    python -m minillm.bench user --peers llama.cpp  # one chat per side in a fresh process; not in `all`
     python -m minillm.bench --model Qwen/Qwen2.5-0.5B-Instruct --threads 2 --json --out bench.json
 
 Variants (minillm side): readable (CausalLM), fast (FastCausalLM), readable-int8/-int4
@@ -61,7 +62,8 @@ JSON schema (--json prints it, --out FILE writes it too):
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
      "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"paged"|"speculative"|"lora"|"serve"|"tp"
-               (in this order), or "qwen3_5" or "moe" alone (their metrics: minillm/bench/qwen3_5.py, moe.py),
+               (in this order), or "qwen3_5", "moe" or "user" alone (their metrics: minillm/bench/qwen3_5.py,
+               moe.py, user.py),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key / a peer),
                "metric": "load time", "build time", "time to first token", "prefill", "decode",
                          "decode vs llama.cpp", "decode vs llama-bench" (--peers llama.cpp: the peer's
