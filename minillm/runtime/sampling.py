@@ -286,15 +286,9 @@ def validate_logit_bias(params: SamplingParams | None, vocab_size: int) -> None:
                          f"the model's vocabulary has {vocab_size} ids")
 
 
-def process_logits(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    token_ids: Sequence[Sequence[int]] | None = None,
-    prompt_lengths: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """(B, V) logits -> (B, V) logits to sample from: logit_bias (first, as vLLM), then transformers'
-    order: penalties (only when token_ids is given), temperature, top-k, top-p, min-p, typical.
-    Greedy (temperature 0) keeps only the argmax of the penalised logits."""
+def biased_and_penalised(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[Sequence[int]] | None = None,
+                         prompt_lengths: Sequence[int] | None = None) -> torch.Tensor:
+    """The first steps of process_logits (validated): logit_bias, then the penalties (when token_ids is given)."""
     _validate_logits(logits)
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -304,6 +298,19 @@ def process_logits(
     if penalised and token_ids is not None:
         logits = apply_penalties(logits, token_ids, params.repetition_penalty, params.presence_penalty,
                                  params.frequency_penalty, prompt_lengths)
+    return logits
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    prompt_lengths: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """(B, V) logits -> (B, V) logits to sample from: logit_bias (first, as vLLM), then transformers'
+    order: penalties (only when token_ids is given), temperature, top-k, top-p, min-p, typical.
+    Greedy (temperature 0) keeps only the argmax of the penalised logits."""
+    logits = biased_and_penalised(logits, params, token_ids, prompt_lengths)
     if params.greedy:
         best = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
         return torch.full_like(logits, float("-inf")).scatter(-1, best, logits.gather(-1, best))
@@ -346,10 +353,10 @@ def sample(
     prompt_lengths: Sequence[int] | None = None,
 ) -> SampleResult:
     """Choose one token per row of (B, V) logits: argmax when params.greedy, else a draw with `generator`."""
-    processed = process_logits(logits, params, token_ids, prompt_lengths)  # (B, V), validates
-    if params.greedy:
-        tokens = processed.argmax(dim=-1)  # (B,), no random numbers used
+    if params.greedy:  # the argmax of process_logits' output, without building its -inf rows
+        tokens = biased_and_penalised(logits, params, token_ids, prompt_lengths).argmax(dim=-1)  # (B,), validates
     else:
+        processed = process_logits(logits, params, token_ids, prompt_lengths)  # (B, V), validates
         probs = torch.softmax(processed.float(), dim=-1)  # (B, V)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
     logp = torch.log_softmax(logits.float(), dim=-1)  # (B, V), of the unprocessed logits

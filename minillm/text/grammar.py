@@ -13,8 +13,6 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import jsonschema
-
 from minillm.utils.validate import is_int
 
 
@@ -362,6 +360,8 @@ def _enum_texts(schema: dict) -> list[str]:
     values = schema["enum"] if "enum" in schema else [schema["const"]]
     if not isinstance(values, list) or not values:
         raise UnsupportedSchema("enum must be a non-empty list")
+    import jsonschema  # on use: importing it compiles a Lark grammar for its IRI formats, a second of every start-up
+
     rest = jsonschema.Draft202012Validator({k: v for k, v in schema.items() if k not in ("enum", "const")})
     texts = [json.dumps(v, ensure_ascii=False) for v in values if rest.is_valid(v)]
     if not texts:

@@ -35,7 +35,7 @@ from minillm.text.sentencepiece import (FirstSpaceDropped, gguf_scores, gguf_spa
 from minillm.text.tokenizer_files import (config_token, folder_templates, generation_eos_ids, gguf_templates,
                                           template_named)
 from minillm.utils.files import read_json_object
-from minillm.weights.gguf_file import read_gguf
+from minillm.weights.gguf_file import check_gguf_header
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -261,7 +261,7 @@ def _gguf_tokenizer_meta(path: Path) -> dict[str, Any]:
     """A GGUF file's `tokenizer.*` metadata, checked: byte-level BPE ('gpt2': tokens, merges, a pre-tokenizer
     we know) or SentencePiece ('llama': tokens, scores); ValueError naming the file and the key otherwise."""
     try:
-        meta = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
+        meta = {k: v for k, v in check_gguf_header(path, keep="tokenizer.").items() if k.startswith("tokenizer.")}
     except (UnicodeDecodeError, IndexError, TypeError) as exc:  # the values are decoded here, not when opened
         raise ValueError(f"{path}: tokenizer metadata is unreadable ({type(exc).__name__}: {exc})") from None
     kind = meta.get("tokenizer.ggml.model")

@@ -83,11 +83,13 @@ class _Bytes:
             raise self.refuse(f"{what} {raw[:80]!r} is not UTF-8") from None
 
 
-def check_gguf_header(path: str | Path) -> dict[str, Any]:
+def check_gguf_header(path: str | Path, keep: str | None = None) -> dict[str, Any]:
     """Walk a GGUF file's header the way gguf-py will, each length and count checked against the bytes
     left, so that a hostile number is refused at once instead of read past the end of the file.
 
-    Returns the metadata's single values ({key: number, bool or str}); arrays are checked, not kept.
+    Returns the metadata's single values ({key: number, bool or str}); arrays are checked, not kept, but
+    those whose key starts with `keep` ("tokenizer.": a vocabulary, without gguf-py's seconds of parsing):
+    a list of numbers or of strings (UTF-8, strictly); an array of arrays is checked, not kept.
     FileNotFoundError if there is no file; WeightsError naming the file, the key or tensor, and the value."""
     path = Path(path)
     if not path.is_file():
@@ -97,10 +99,10 @@ def check_gguf_header(path: str | Path) -> dict[str, Any]:
         if size < 24:
             raise WeightsError(f"{path}: not a readable GGUF file: {size} bytes, less than the 24-byte header")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:  # only the header's pages are read
-            return _walk_header(path, buf)
+            return _walk_header(path, buf, keep)
 
 
-def _walk_header(path: Path, buf) -> dict[str, Any]:
+def _walk_header(path: Path, buf, keep: str | None = None) -> dict[str, Any]:
     if buf[:4] != b"GGUF":
         raise WeightsError(f"{path}: not a readable GGUF file: it starts with {buf[:4]!r}, not b'GGUF'")
     order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # gguf-py's test for a big-endian file
@@ -112,12 +114,12 @@ def _walk_header(path: Path, buf) -> dict[str, Any]:
     n_tensors, n_kv = data.number("Q", "the tensor count"), data.number("Q", "the metadata count")
     data.need(13 * n_kv, f"the metadata count {n_kv} (13 bytes or more per entry)")
     data.need(24 * n_tensors, f"the tensor count {n_tensors} (24 bytes or more per tensor info)")
-    values = _read_metadata(data, n_kv)
+    values = _read_metadata(data, n_kv, keep)
     _check_tensor_data(data, _read_tensor_infos(data, n_tensors), values.get("general.alignment", 32))
     return values
 
 
-def _read_metadata(data: _Bytes, count: int) -> dict[str, Any]:
+def _read_metadata(data: _Bytes, count: int, keep: str | None = None) -> dict[str, Any]:
     values, seen = {}, set()
     for i in range(count):
         key = data.text(f"the key of metadata entry {i}", MAX_KEY_BYTES)
@@ -125,7 +127,10 @@ def _read_metadata(data: _Bytes, count: int) -> dict[str, Any]:
             raise data.refuse(f"metadata key {key!r} appears twice")
         seen.add(key)
         kind = data.number("I", f"metadata key {key!r}: its value type")
-        value = _value(data, kind, f"metadata key {key!r}")
+        if kind == _ARRAY and keep is not None and key.startswith(keep):
+            value = _read_array(data, f"metadata key {key!r}")
+        else:
+            value = _value(data, kind, f"metadata key {key!r}")
         if value is not None:
             values[key] = value
         if key == "general.alignment" and (kind != 4 or value < 1 or value & (value - 1)):
@@ -161,6 +166,22 @@ def _skip_array(data: _Bytes, what: str, depth: int) -> None:
         raise data.refuse(f"{what}: arrays nested more than {MAX_NESTING} deep")
     else:
         raise data.refuse(f"{what}: element type {kind} is not a GGUF type (0 to 12)")
+
+
+def _read_array(data: _Bytes, what: str) -> list | None:
+    """A kept array: its numbers or strings as a list, checked as _skip_array checks them (arrays of arrays:
+    checked, not kept, None)."""
+    start = data.pos
+    kind, count = data.number("I", f"{what}: its element type"), data.number("Q", f"{what}: its element count")
+    if kind in _NUMBER_FORMATS:  # the bytes checked first: a hostile count never reaches struct
+        size = count * struct.calcsize(_NUMBER_FORMATS[kind])
+        at = data.take(size, f"{what}: an array of {count} {_name(kind)} values")
+        return list(struct.unpack_from(f"{data.order}{count}{_NUMBER_FORMATS[kind]}", data.buf, at))
+    if kind == _STRING:
+        data.need(8 * count, f"{what}: an array of {count} strings (8 bytes or more each)")
+        return [data.string(f"{what}[{i}]").decode("utf-8") for i in range(count)]
+    data.pos = start
+    return _skip_array(data, what, depth=1)
 
 
 def _skip_strings(data: _Bytes, count: int, what: str) -> None:

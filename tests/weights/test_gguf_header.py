@@ -147,6 +147,31 @@ def test_the_small_gguf_with_every_array_type_loads(small):
     from_gguf(small)
 
 
+def test_kept_arrays_are_gguf_py_s_values(small):
+    """keep="test.": every flat array of the small file as gguf-py's contents() gives it (each element type),
+    arrays of arrays checked but not kept; SmolLM2's tokenizer arrays too, the tokenizer's source."""
+    kept, reader = check_gguf_header(small, keep="test."), read_gguf(small)
+    arrays = [k for k, f in reader.fields.items() if k.startswith("test.") and f.types and f.types[0] == V.ARRAY]
+    assert len(arrays) > 5 and "test.nested" not in kept
+    for key in arrays:
+        if key != "test.nested":
+            assert kept[key] == reader.fields[key].contents(), key
+    path = embedded_gguf_path()
+    ours = {k: v for k, v in check_gguf_header(path, keep="tokenizer.").items() if k.startswith("tokenizer.")}
+    theirs = {k: f.contents() for k, f in read_gguf(path).fields.items() if k.startswith("tokenizer.")}
+    assert ours == theirs and len(ours["tokenizer.ggml.tokens"]) == 49152
+
+
+@pytest.mark.parametrize("case", ["UINT16 count 2**62", "element type 99", "inner count 2**40", "string count 2**40",
+                                  "string length 2**40"])
+def test_a_kept_array_s_hostile_count_is_refused_by_name(small, tmp_path, case):
+    """The kept arrays are read by the same checked steps: a count or a length past the file's end is refused."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(CASES[case][0](small.read_bytes()))
+    with pytest.raises(WeightsError, match=str(bad)):
+        check_gguf_header(bad, keep="test.")
+
+
 def _tensor_at(good: bytes, name: str) -> int:
     """Where a tensor info's n_dims is: after its name's u64 length and bytes."""
     raw = name.encode()
