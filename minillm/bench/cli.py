@@ -62,8 +62,8 @@ JSON schema (--json prints it, --out FILE writes it too):
      "ceilings": {"float32"|"int8"|"int4": {"seconds", "tok_s"}},   # per token, all shapes
      "peak_rss_mib",
      "rows": [{"section": "load"|"prefill"|"decode"|"ceiling"|"memory"|"engine"|"paged"|"speculative"|"lora"|"serve"|"tp"
-               (in this order), or "qwen3_5", "moe" or "user" alone (their metrics: minillm/bench/qwen3_5.py,
-               moe.py, user.py),
+               (in this order), or "qwen3_5", "moe", "user" or "streams" alone (their metrics: minillm/bench/
+               qwen3_5.py, moe.py, user.py, streams.py),
                "variant": a minillm variant (or "process" / "transformers" / a ceiling key / a peer),
                "metric": "load time", "build time", "time to first token", "prefill", "decode",
                          "decode vs llama.cpp", "decode vs llama-bench" (--peers llama.cpp: the peer's
@@ -108,6 +108,7 @@ from minillm.bench.peers import (compile_cache_per_kernels, llamacpp_runner, mac
 from minillm.bench.serve import add_serve_flags, serve_rows
 from minillm.bench.speculative import speculative_rows
 from minillm.bench.tp import tp_rows
+from minillm.bench.streams import streams_rows
 from minillm.bench.user import user_rows
 from minillm.model.devices import peak_memory_mib
 from minillm.weights.embedded import embedded_gguf_path
@@ -228,9 +229,10 @@ def run_benchmark(args) -> dict:
     if what == "qwen3_5":  # a model of its own: nothing of the others' is loaded
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # imported on use: see load_transformers
         return result(args, qwen3_5_rows(args, row, (Qwen3_5TextConfig, Qwen3_5ForCausalLM)), args.dtype, skipped, {}, rows)
-    if what == "user":  # fresh processes, one per side: nothing is loaded here
-        user_rows(Path(args.model) if args.model else embedded_gguf_path(), args.variants, args, row, skipped)
-        return result(args, Path(args.model or embedded_gguf_path()).name, args.dtype, skipped, {}, rows)
+    if what in ("user", "streams"):  # user: fresh processes, one per side; streams: servers (nothing loaded here)
+        source = Path(args.model) if args.model else embedded_gguf_path()
+        (user_rows(source, args.variants, args, row, skipped) if what == "user" else streams_rows(source, args, row, skipped))
+        return result(args, source.name, args.dtype, skipped, {}, rows)
     if what == "moe":  # the same: a model of its own
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
         return result(args, moe_rows(args, row, (Qwen3MoeConfig, Qwen3MoeForCausalLM), skipped), args.dtype, skipped, {}, rows)
@@ -420,7 +422,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "tp": "tensor parallelism over gloo: a decode step at TP 1 and 2, the collectives' share",
              "qwen3_5": "a Qwen3.5-0.8B-shaped hybrid, random weights (not in all); default --prompt-lengths 1024 4096, --tokens 64",
              "moe": "Qwen3-30B-A3B's MoE layers, random weights (not in all); default --prompt-lengths 128 512, --tokens 64",
-             "user": "one chat answered by each side in a fresh process: time to first token, total (not in all)"}
+             "user": "one chat answered by each side in a fresh process: time to first token, total (not in all)",
+             "streams": "C streamed chats at once through the server, beside llama-server (not in all)"}
     for name, text in helps.items():
         add_common(sub.add_parser(name, help=text, description=text), suppress=True)
     args = parser.parse_args(argv)
@@ -430,7 +433,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.tokens is not None and args.tokens < 2 and args.what in ("all", "decode", "qwen3_5", "moe"):
         parser.error("argument --tokens: must be at least 2 to time decode")
     args.tokens = args.tokens or (16 if args.quick else 64 if args.what in ("qwen3_5", "moe") else 96 if args.what == "user"
-                                  else 256)
+                                  else 128 if args.what == "streams" else 256)
     args.prompt_lengths = args.prompt_lengths or ([32, 128] if args.quick else [1024, 4096] if args.what == "qwen3_5"
                                                   else [128, 512] if args.what == "moe" else [128, 1024])
     args.variants = list(dict.fromkeys((args.variants or list(VARIANTS)) + (list(COMPILED) if args.compile else [])))

@@ -57,6 +57,8 @@ from minillm.runtime.engine import Engine
 from minillm.speed.fast import FastCausalLM
 from minillm.serve.server import BackgroundServer, create_app
 
+SERVING_VARIANTS = {"fast-int4": ["--fast", "--quantize", "int4"], "gguf": ["--quantize", "gguf"],  # streams: serve's
+                    "fast": ["--fast"], "readable": [], "fast-int8": ["--fast", "--quantize", "int8"]}  # flags
 SYSTEM_TOKENS, SHARED_SHARE = 64, 0.5  # two shared system prompts of 64 tokens, on half of the requests
 PERCENTILES = (50, 90, 99)
 
@@ -269,6 +271,11 @@ def add_serve_flags(add, d, positive) -> None:
     """The serve section's flags, for bench.add_common (d: the default, or argparse.SUPPRESS; positive: a type)."""
     add("--rate", type=positive("--rate", float), default=d(2.0), help="serve: Poisson arrivals per second (default 2)")
     add("--serve-requests", type=positive("--serve-requests"), default=d(48), help="serve: requests (default 48)")
+    add("--concurrency", type=positive("--concurrency"), nargs="+", default=d(None),
+        help="streams: requests at once, one burst each (default 1 4 16)")
+    add("--serving", nargs="+", choices=list(SERVING_VARIANTS), default=d(["fast-int4", "gguf", "fast"]),
+        help="streams: the server's flag sets: fast-int4 is `serve --fast --quantize int4`, gguf `--quantize gguf` "
+             "(default fast-int4 gguf fast)")
     add("--slo-ttft", type=positive("--slo-ttft", float), default=d(2.0),
         help="serve: goodput's limit on the time to first token, seconds (default 2)")
     add("--slo-tpot", type=positive("--slo-tpot", float), default=d(0.25),

@@ -40,15 +40,18 @@ class PackedLayout:
     prefill_tokens: int      # P: the decode tokens follow, one per sequence
     decode: BatchLayout | DecodeLayout | None  # the decode tokens' own layout (gathered or paged)
     decode_keys: torch.Tensor | None  # (Bd, 1, 1, S) True for a real key of a gathered decode row
+    decode_tables: torch.Tensor | None  # (Bd, W) each decode row's pool blocks (0 past its last): A4's one call
+    decode_lengths: torch.Tensor | None  # (Bd,) each decode row's tokens, its new one counted
     ends: torch.Tensor       # (rows,) the column of each sequence's last token: its logits are kept
     seq_ids: list            # (rows,) each row's sequence: the chunks', then the decode tokens'
 
 
 def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, pool_blocks: int, device=None,
-                  paged: bool = False) -> PackedLayout:
+                  paged: bool = False, tables_only: bool = False) -> PackedLayout:
     """chunks: (sequence id, cached, new) prompt chunks, each ending at token cached + new; decode_ids:
     sequences computing their last token; pool_blocks: the cache's blocks. paged: the decode tokens
-    read the blocks in place (notebook 16's DecodeLayout), else they are gathered (a BatchLayout)."""
+    read the blocks in place (notebook 16's DecodeLayout), else they are gathered (a BatchLayout);
+    tables_only: neither is built, for a model that reads the block tables itself (A4's one call)."""
     slots, positions, segments, ends = [], [], [], []
     for s, cached, new in chunks:
         table = [manager.slot(s, p) for p in range(cached + new)]  # every key's slot, cached then new
@@ -58,18 +61,23 @@ def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, 
         slots += table[cached:]
         positions += range(cached, cached + new)
         ends.append(len(slots) - 1)
-    P, decode, decode_keys = len(slots), None, None
-    if decode_ids:
+    P, decode, decode_keys, tables, lengths = len(slots), None, None, [], []
+    if decode_ids and not tables_only:
         decode = (decode_layout(manager, decode_ids, pool_blocks, device) if paged else
                   batch_layout(manager, decode_ids, 1, device=device))  # one new token each: no padding queries
         decode_keys = None if paged else padding_mask(decode.attention_mask)  # once, for every layer
+    if decode_ids:
         lengths = [manager.num_tokens(s) for s in decode_ids]
+        tables = [manager.block_table(s) for s in decode_ids]
         slots += [manager.slot(s, L - 1) for s, L in zip(decode_ids, lengths)]  # as in their own layout
         positions += [L - 1 for L in lengths]
         ends += range(P, P + len(decode_ids))
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     seq_ids = [s for s, _, _ in chunks] + list(decode_ids)
-    return PackedLayout(t(slots), t([positions]), segments, P, decode, decode_keys, t(ends), seq_ids)
+    width = max(map(len, tables), default=0)
+    blocks = t([table + [0] * (width - len(table)) for table in tables]) if decode_ids else None  # (Bd, W)
+    return PackedLayout(t(slots), t([positions]), segments, P, decode, decode_keys, blocks,
+                        t(lengths) if decode_ids else None, t(ends), seq_ids)
 
 
 class GatheredDecodeView(PagedView):
@@ -85,11 +93,24 @@ class GatheredDecodeView(PagedView):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.real_keys, enable_gqa=True)
 
 
+@dataclass
+class DecodeRows:
+    """A decode-only step as appendix A4's one C++ call per layer reads it: the layer's pools, each row's
+    blocks and length (the fast int4 model's road; any other model attends through `attend`)."""
+    k: torch.Tensor        # (blocks, bs, Hkv, D) the layer's keys
+    v: torch.Tensor        # (blocks, bs, Hkv, D) its values
+    tables: torch.Tensor   # (Bd, W) each decode row's blocks
+    lengths: torch.Tensor  # (Bd,) each decode row's tokens, its new one counted
+
+
 class PackedView:
     """What the model sees as `cache[i]` in a packed forward: `attend` splits the row by sequence."""
 
     def __init__(self, cache, layout: PackedLayout):
         self.cache, self.layout, decode = cache, layout, layout.decode
+        only_decode = layout.decode_tables is not None and layout.prefill_tokens == 0
+        self.decode_rows = DecodeRows(cache.k, cache.v, layout.decode_tables, layout.decode_lengths) if only_decode \
+            else None
         if decode is None:
             self.decode = None
         elif isinstance(decode, DecodeLayout):
@@ -99,6 +120,8 @@ class PackedView:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k, v (1, Hkv, N, D) -> (1, H, N, D): each chunk causal over its own keys."""
+        if self.decode_rows is not None and self.decode is None:  # packed_layout(tables_only=True)
+            raise RuntimeError("PackedView: this step was laid out for a model that reads the block tables itself")
         blocks, bs, Hkv, D = self.cache.k.shape
         P, outs = self.layout.prefill_tokens, []
         k_pool = self.cache.k.view(blocks * bs, Hkv, D)  # (blocks, bs, Hkv, D) -> one row per slot

@@ -25,6 +25,7 @@ from minillm.runtime.generate import apply_constraints
 from minillm.text.constrained import Constraints
 from minillm.runtime.sequence import adapter_index
 from minillm.model.decoder import CausalLM
+from minillm.speed.fast import reads_block_tables
 from minillm.cache.packed import kv_pool_blocks, packed_layout, packed_views
 from minillm.cache.paged_attention import (PAGED_MIN_TOKENS, BlockTableView, validate_attention, decode_layout,
                                            use_paged_attention)
@@ -228,9 +229,10 @@ def forward_packed(model: CausalLM, cache: list, manager: BlockManager, batch: l
     device = next(model.parameters()).device
     chunks, decoding = [(s, n) for s, n in batch if n], [s for s, n in batch if not n]
     ids = [t for s, n in chunks for t in s.token_ids[s.num_computed : s.num_computed + n]] + [s.pending for s in decoding]
-    paged = bool(decoding) and paged_step(attention, model, manager, [s.id for s in decoding], 1)
+    tables_only = not chunks and reads_block_tables(model)  # appendix A4's one call per layer
+    paged = bool(decoding) and not tables_only and paged_step(attention, model, manager, [s.id for s in decoding], 1)
     layout = packed_layout(manager, [(s.id, s.num_computed, n) for s, n in chunks], [s.id for s in decoding],
-                           kv_pool_blocks(cache), device, paged)
+                           kv_pool_blocks(cache), device, paged, tables_only)
     keep, rows = prompt_columns(chunks, layout.ends)  # a scored prompt's chunk keeps every column (nb 10)
     logits = model(torch.tensor([ids], device=device), positions=layout.positions,
                    cache=packed_views(cache, layout), logits_to_keep=keep)  # (1, kept, V)

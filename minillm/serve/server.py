@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import signal
 import socket
 import threading
 import time
@@ -110,11 +111,13 @@ class EngineThread:
         self.starts = PrefillStarts()  # the requests whose prefill start is awaited (their queue time)
         self.running = False
         self.thread: threading.Thread | None = None
+        self.here = False  # True: stepped by the thread that calls step_here, not a thread of its own
 
     def start(self) -> None:
         self.running = True
-        self.thread = threading.Thread(target=self._loop, name="minillm-engine", daemon=True)
-        self.thread.start()
+        if not self.here:  # serve's main thread steps it (step_here)
+            self.thread = threading.Thread(target=self._loop, name="minillm-engine", daemon=True)
+            self.thread.start()
 
     def stop(self) -> None:
         self.running = False
@@ -128,15 +131,27 @@ class EngineThread:
     def _loop(self) -> None:
         while self.running:
             self.wake.wait()
-            self.wake.clear()  # before reading the commands: a command posted after this sets it again
-            self._apply_commands()
-            while self.running and self.engine.has_unfinished():
-                began = time.monotonic()
-                outputs = step_or_fail(self.engine)
-                self.steps += 1
-                self.starts.note(began)
-                deliver(outputs, self.queues)
-                self._apply_commands()  # between steps: new requests join, hung-up ones leave
+            self._until_idle()
+
+    def _until_idle(self) -> None:
+        """Apply the commands and step while any request is unfinished, delivering each step's Outputs."""
+        self.wake.clear()  # before reading the commands: a command posted after this sets it again
+        self._apply_commands()
+        while self.running and self.engine.has_unfinished():
+            began = time.monotonic()
+            outputs = step_or_fail(self.engine)
+            self.steps += 1
+            self.starts.note(began)
+            deliver(outputs, self.queues)
+            self._apply_commands()  # between steps: new requests join, hung-up ones leave
+
+
+def step_here(bridge: EngineThread, serving: threading.Thread) -> None:
+    """`serve`'s way: step the engine on the calling thread (the main one) while `serving` (uvicorn's thread)
+    lives; `bridge.here`, set before uvicorn starts, keeps `start` from starting a thread of its own."""
+    while serving.is_alive():
+        if bridge.wake.wait(timeout=0.25) and bridge.running:  # the timeout: notice uvicorn's end
+            bridge._until_idle()
 
 
 class EngineBridge(EngineThread):
@@ -387,7 +402,16 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str |
     app = create_app(llm, **app_kwargs)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=10)  # after the drain: for a client that never reads
-    GracefulServer(config, app.state.drain).run()
+    server, bridge = GracefulServer(config, app.state.drain), app.state.bridge
+    http = threading.Thread(target=server.run, name="minillm-http")  # uvicorn; the engine steps on this thread
+    bridge.here = True
+    handlers = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}  # (uvicorn's
+    try:  # own handlers need the main thread)
+        http.start()
+        step_here(bridge, http)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 class BackgroundServer:

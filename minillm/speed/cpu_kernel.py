@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.speed.cpu_kernel_cpp import KERNEL_CPP  # the C++ source, written below step by step
+from minillm.speed.cpu_decode_cpp import KERNEL_CPP  # the C++ source, written below step by step
 from minillm.speed.quant import (Int8Linear, bias_parameter, validate_quant_input, dequantize_int8, int8_table, quantize_int4,
                                  quantize_linear)
 
@@ -240,8 +240,13 @@ def decode_layer_parts(layer) -> dict | None:
 
 def decode_in_one_call(parts: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                        pos: int) -> torch.Tensor:
-    """One token through a layer in one op: x (1, 1, h) -> (1, 1, h); the KVCache's slot pos written."""
-    y = torch.ops.minillm_cpu.decode_layer(x.view(1, -1), parts["norms"], parts["packed"], parts["biases"],
-                                           parts["sizes"], parts["eps"], cache.k, cache.v, pos, cos.view(-1),
-                                           sin.view(-1))  # (1, h)
+    """Decode tokens through a layer in one op, x (B, T, h) -> (B, T, h), their keys and values written: one
+    token at pos of a dense KVCache, or one per sequence of an engine step (a cache with `decode_rows`)."""
+    D, rows = parts["sizes"][2], getattr(cache, "decode_rows", None)
+    args = (x.reshape(-1, x.shape[-1]), parts["norms"], parts["packed"], parts["biases"], parts["sizes"], parts["eps"])
+    if rows is None:  # notebook 08's cache
+        y = torch.ops.minillm_cpu.decode_layer(*args, cache.k, cache.v, pos, cos.view(-1), sin.view(-1))  # (1, h)
+    else:  # notebook 17's paged pool, read through the block tables
+        y = torch.ops.minillm_cpu.decode_layer_paged(*args, rows.k, rows.v, rows.tables, rows.lengths,
+                                                     cos.reshape(-1, D), sin.reshape(-1, D))  # (Bd, h)
     return y.view(x.shape)

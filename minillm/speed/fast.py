@@ -111,8 +111,17 @@ class FusedMLP(nn.Module):
 
 
 def takes_one_call(layer, tokens: int, cache) -> bool:
-    """Whether a FastLayer runs this step in A4's C++ op: int4 parts, one token, a dense cache, not tracing."""
-    return layer.one_call is not None and tokens == 1 and type(cache) is KVCache and not torch.compiler.is_compiling()
+    """Whether a FastLayer runs this step in A4's C++ op: int4 parts, not tracing, and one token with a dense
+    cache or an engine step of decode tokens only (notebook 17's packed view offers them as `decode_rows`)."""
+    if layer.one_call is None or torch.compiler.is_compiling():
+        return False
+    return (tokens == 1 and type(cache) is KVCache) or getattr(cache, "decode_rows", None) is not None
+
+
+def reads_block_tables(model) -> bool:
+    """Whether every layer of `model` takes an engine's decode-only step in A4's one call, which reads each
+    sequence's keys through its block table: notebook 17's engine then lays out no gathered or paged view."""
+    return isinstance(model, FastCausalLM) and all(layer.one_call is not None for layer in model.layers)
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cache, pos: int, causal: bool) -> Tensor:
