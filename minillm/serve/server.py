@@ -412,6 +412,8 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str |
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+    if not server.started:  # uvicorn logged why (a port in use): its sys.exit(1) ended only its own thread
+        raise SystemExit(1)
 
 
 class BackgroundServer:

@@ -354,6 +354,18 @@ def test_sigterm_under_load_drains_and_exits_0():
             proc.wait()
 
 
+def test_a_port_in_use_exits_non_zero():
+    """uvicorn runs in a thread of `serve` (the engine steps on the main one): its failed bind must still end
+    the process with status 1, as uvicorn on the main thread would, not 0."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "minillm", "serve", "--port", str(port), "--access-log", "off"],
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "address already in use" in run.stderr, (run.returncode, run.stderr[-1000:])
+
+
 def _up(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200
