@@ -57,10 +57,14 @@ def decode_both(model, prompt: list[int], steps: int):
 def test_decode_layer_equals_the_torch_calls(name):
     """qkv biases (Qwen2), per-head q/k norms (Qwen3, head size 32), GQA (4 heads on 2), tied and untied heads."""
     got, want, cache_diff = decode_both(from_folder(DATA / name), [3, 1, 4, 1, 5, 9, 2, 6], steps=12)
-    # float rounding, and an int8 activation it may move by one step (measured: at most 2e-6 of the largest
-    # logit, caches 1e-7); a wrong sign in RoPE or a misplaced head moves them by tenths
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * want.abs().max().item())
-    assert cache_diff < 2e-3
+    # Float rounding (measured with AVX-512: 2e-6 of the largest logit, caches 1e-7), until a sum lands across
+    # an int8 rounding step: then one activation moves a step and the key it writes carries it to every later
+    # step (measured with ATEN_CPU_CAPABILITY=avx2, tiny-qwen3: mean 0.0015 of the largest logit, every step's
+    # top token the same, caches 0.0017 apart). Planted: RoPE's first half with + for - gives a mean of
+    # 0.06 to 0.1 of the largest logit and caches 0.5 apart on all four.
+    diff = (got - want).abs()
+    assert diff.mean() < 0.01 * want.abs().max() and cache_diff < 0.02, (float(diff.mean()), cache_diff)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def test_smollm2_decodes_the_same_in_one_call(smollm2):
