@@ -63,15 +63,14 @@ def rope_tables(config: ModelConfig, device=None, dtype: torch.dtype = torch.flo
 
 def rope_rows(cos: Tensor, sin: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
               start_pos: int, T: int, S: int) -> tuple[Tensor, Tensor]:
-    """The rows of the (P, D) tables for this forward, each (B or 1, T, 1, D) to broadcast over heads."""
+    """The rows of the (P, D) tables for this forward, (B or 1, T, D) each: new tensors, never views of the
+    tables, so that a compiled layer (below) always meets its inputs in one layout."""
     if positions is None and attention_mask is not None:  # left padding: count real tokens before each one
         positions = padded_positions(attention_mask, start_pos)  # (B, T)
     if positions is None:
-        cos, sin = cos[start_pos:S], sin[start_pos:S]  # (T, D): a slice of the table
-    else:
-        cos, sin = cos[positions], sin[positions]  # (B, T, D) or (T, D)
-    D = cos.shape[-1]
-    return cos.view(-1, T, 1, D), sin.view(-1, T, 1, D)  # one angle for every head
+        positions = torch.arange(start_pos, S, device=cos.device)  # (T,)
+    positions = positions.view(-1, T)  # (B or 1, T)
+    return cos[positions], sin[positions]
 
 
 def fast_mask(T: int, S: int, start_pos: int, attention_mask: Tensor | None, device) -> Tensor | None:
@@ -142,10 +141,8 @@ class FastLayer(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.H, self.Hkv, self.D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.eps = config.rms_norm_eps
-        self.input_norm = layer.input_layernorm.weight  # (h,)
-        self.post_norm = layer.post_attention_layernorm.weight  # (h,)
-        self.q_norm = None if attn.q_norm is None else attn.q_norm.weight  # (D,), Qwen3
-        self.k_norm = None if attn.k_norm is None else attn.k_norm.weight
+        self.input_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight  # (h,)
+        self.q_norm, self.k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)  # Qwen3
 
         def q(linear: nn.Linear, part: str) -> nn.Module:
             return fast_quantized_linear(linear, quantize, group_size, f"{name}.{part}", kernel)
@@ -162,19 +159,26 @@ class FastLayer(nn.Module):
         B, T, h = x.shape
         if takes_one_call(self, B * T, cache):
             return decode_in_one_call(self.one_call, x, cos, sin, cache, pos)  # appendix A4's C++ layer
+        q, k, v = self.attention_inputs(x, cos, sin)  # (B, heads, T, D) each
+        out = cached_attention(q, k, v, mask, cache, pos, causal)  # (B, H, T, D), in the layout attention left
+        out = out.transpose(1, 2).reshape(B, T, -1).clone(memory_format=torch.contiguous_format)  # (B, T, H*D)
+        return self.attention_output(x, out)  # (B, T, h)
+
+    def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, h = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        qkv = self.qkv_proj(F.rms_norm(x, (h,), self.input_norm, self.eps))  # (B, T, (H + 2 Hkv) D)
-        qkv = qkv.view(B, T, H + 2 * Hkv, D)
+        qkv = self.qkv_proj(F.rms_norm(x, (h,), self.input_norm, self.eps)).view(B, T, H + 2 * Hkv, D)
         qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]  # (B, T, H + Hkv, D), (B, T, Hkv, D)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             qk = torch.cat((F.rms_norm(qk[:, :, :H], (D,), self.q_norm, self.eps),
                             F.rms_norm(qk[:, :, H:], (D,), self.k_norm, self.eps)), dim=2)
         rotated = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)  # rotate_half, q and k at once
-        qk = qk * cos + rotated * sin  # cos, sin (B or 1, T, 1, D) broadcast over the heads
-        q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        out = cached_attention(q, k, v, mask, cache, pos, causal)  # (B, H, T, D)
-        x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))  # (B, H, T, D) -> (B, T, H*D) -> (B, T, h)
-        return x + self.mlp(F.rms_norm(x, (h,), self.post_norm, self.eps))  # (B, T, h)
+        qk = qk * cos[:, :, None] + rotated * sin[:, :, None]  # cos, sin (B or 1, T, 1, D): over the heads
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+
+    def attention_output(self, x: Tensor, out: Tensor) -> Tensor:  # x (B, T, h), out (B, T, H*D) -> (B, T, h)
+        x = x + self.o_proj(out)  # (B, T, h)
+        return x + self.mlp(F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps))
 
 
 def validate_fast_model(model, quantize) -> None:
@@ -206,18 +210,14 @@ class FastCausalLM(nn.Module):
         cos, sin = rope_tables(config, weight.device, weight.dtype)
         self.register_buffer("cos", cos, persistent=False)  # (P, D): one row per position
         self.register_buffer("sin", sin, persistent=False)
-        self._layers = self._run_layers
 
     def compile(self, **kwargs) -> FastCausalLM:
-        """Opt in to torch.compile of the layer stack: seconds of compiling first, then faster steps."""
-        self._layers = torch.compile(self._run_layers, dynamic=True, **kwargs)
+        """Opt in to torch.compile of every layer's pieces around attention (attention itself stays eager):
+        seconds of compiling first, then the same few graphs for every layer and every kind of step."""
+        for layer in self.layers:  # one code object per piece, each layer's weights its inputs: graphs are shared
+            layer.attention_inputs = torch.compile(layer.attention_inputs, dynamic=True, **kwargs)
+            layer.attention_output = torch.compile(layer.attention_output, dynamic=True, **kwargs)
         return self
-
-    def _run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache, start_pos: int,
-                    causal: bool) -> Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos, causal)
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)  # (B, T, h)
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache: list | None = None, start_pos: int = 0, logits_to_keep: int | Tensor = 0) -> Tensor:
@@ -226,23 +226,24 @@ class FastCausalLM(nn.Module):
         B, T, S = validate_forward_inputs(self.config, input_ids, attention_mask, cache, start_pos, logits_to_keep)
         cos, sin = rope_rows(self.cos, self.sin, positions, attention_mask, start_pos, T, S)
         mask = fast_mask(T, S, start_pos, attention_mask, input_ids.device)
-        causal = mask is None and T > 1  # a plain bool here: in torch.compile a SymBool (a graph break per layer)
-        run = self._run_layers if cache and takes_one_call(self.layers[0], B * T, cache[0]) else self._layers  # A4
-        x = run(self.embed_tokens(input_ids), cos, sin, mask, cache, start_pos, causal)  # (B, T, h)
+        causal = mask is None and T > 1
+        x = self.embed_tokens(input_ids)  # (B, T, h)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start_pos, causal)
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)  # (B, T, h)
         return self.lm_head(keep_columns(x, logits_to_keep))  # (B, T or n, V)
 
 
 def compile_now(model: FastCausalLM, say=lambda line: print(line, file=sys.stderr, flush=True)) -> FastCausalLM:
-    """Compile a .compile()'d model's prompt and decode graphs now (an 11-token prompt, then one step), saying
-    each (on stderr: a command's output stays the answer)."""
+    """Compile a .compile()'d model's graphs now, saying each (on stderr: a command's output stays the answer):
+    the pieces' for many tokens (an 11-token prompt) and for one (a token without a cache, never A4's one call)."""
     # sizes no model dimension has: a first trace makes equal sizes one symbol, and one of them would fix the other
     cache = make_cache(model.config, 1, 29, dtype=model.cos.dtype, device=model.cos.device)
     ids = torch.zeros(1, 11, dtype=torch.long, device=model.cos.device)
     with torch.no_grad():
-        steps = [("prompt", lambda: model(ids, cache=cache)), ("decode", lambda: model(ids[:, :1], cache=cache, start_pos=11))]
-        for what, run in steps[:1] if takes_one_call(model.layers[0], 1, cache[0]) else steps:  # A4: decode not compiled
-            say(f"minillm: compiling the {what} graph (minutes the first time; then from torch's cache)...")
+        for what, run in (("prompt", lambda: model(ids, cache=cache)), ("one-token", lambda: model(ids[:, :1]))):
+            say(f"minillm: compiling the {what} graphs (seconds, minutes on a busy machine; then from torch's cache)...")
             t0 = time.perf_counter()
             run()
-            say(f"minillm: {what} graph ready in {time.perf_counter() - t0:.1f} s")
+            say(f"minillm: {what} graphs ready in {time.perf_counter() - t0:.1f} s")
     return model
