@@ -127,17 +127,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class LlamaServer:
-    """llama-server on `gguf` at a free local port, as a context manager that gives its url once /health
-    answers 200; the process is stopped on exit, whatever happened (and if it never got ready)."""
+class ServerProcess:
+    """A server's `command` (made for a free local port) as a context manager that gives its url once
+    /health answers 200; the process is stopped on exit, whatever happened (and if it never got ready)."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, slot_context: int,
-                 timeout: float = 300.0, host: str = "127.0.0.1"):
-        self.host, self.port, self.timeout = host, free_port(host), timeout
+    def __init__(self, command, timeout: float, host: str = "127.0.0.1"):
+        self.host, self.port, self.timeout, self.process = host, free_port(host), timeout, None
         self.url = f"http://{host}:{self.port}"
-        self.command = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-                        "-c", str(slots * slot_context), "-cb", "--host", host, "--port", str(self.port), "--no-webui"]
-        self.process = None
+        self.command = command(host, self.port)  # (host, port) -> the argument list
 
     def __enter__(self) -> str:
         self.log = tempfile.TemporaryFile()  # its output, shown if it fails
@@ -181,6 +178,16 @@ class LlamaServer:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+class LlamaServer(ServerProcess):
+    """llama-server on `gguf`, `slots` sequences of `slot_context` tokens at once (continuous batching)."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, slot_context: int,
+                 timeout: float = 300.0, host: str = "127.0.0.1"):
+        super().__init__(lambda host, port: [
+            str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+            "-c", str(slots * slot_context), "-cb", "--host", host, "--port", str(port), "--no-webui"], timeout, host)
 
 
 def llama_server_binary(gguf: Path, skipped: dict) -> Path | None:

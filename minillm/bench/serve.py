@@ -58,7 +58,9 @@ from minillm.speed.fast import FastCausalLM
 from minillm.serve.server import BackgroundServer, create_app
 
 SERVING_VARIANTS = {"fast-int4": ["--fast", "--quantize", "int4"], "gguf": ["--quantize", "gguf"],  # streams: serve's
-                    "fast": ["--fast"], "readable": [], "fast-int8": ["--fast", "--quantize", "int8"]}  # flags
+                    "fast": ["--fast"], "readable": [], "fast-int8": ["--fast", "--quantize", "int8"],  # flags
+                    "fast-int4-compiled": ["--fast", "--quantize", "int4", "--compile"],
+                    "fast-compiled": ["--fast", "--compile"]}
 SYSTEM_TOKENS, SHARED_SHARE = 64, 0.5  # two shared system prompts of 64 tokens, on half of the requests
 PERCENTILES = (50, 90, 99)
 
@@ -274,8 +276,8 @@ def add_serve_flags(add, d, positive) -> None:
     add("--concurrency", type=positive("--concurrency"), nargs="+", default=d(None),
         help="streams: requests at once, one burst each (default 1 4 16)")
     add("--serving", nargs="+", choices=list(SERVING_VARIANTS), default=d(["fast-int4", "gguf", "fast"]),
-        help="streams: the server's flag sets: fast-int4 is `serve --fast --quantize int4`, gguf `--quantize gguf` "
-             "(default fast-int4 gguf fast)")
+        help="streams: the server's flag sets: fast-int4 is `serve --fast --quantize int4`, gguf `--quantize gguf`, "
+             "a -compiled one adds --compile (default fast-int4 gguf fast)")
     add("--slo-ttft", type=positive("--slo-ttft", float), default=d(2.0),
         help="serve: goodput's limit on the time to first token, seconds (default 2)")
     add("--slo-tpot", type=positive("--slo-tpot", float), default=d(0.25),

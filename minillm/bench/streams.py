@@ -6,7 +6,8 @@ the prompt sent as token ids to /v1/completions. Each side is a server process s
 operator starts it, and serves the bursts after one warm-up request:
 
 - `python -m minillm serve` with each flag set asked for (--serving; default fast-int4, gguf and
-  fast: `--fast --quantize int4`, `--quantize gguf` and `--fast`);
+  fast: `--fast --quantize int4`, `--quantize gguf` and `--fast`; fast-int4-compiled and fast-compiled
+  add `--compile`);
 - with --peers llama.cpp, llama.cpp's own `llama-server` (-np as many slots as the largest C, the
   same threads, the same GGUF file).
 
@@ -26,7 +27,7 @@ import time
 import torch
 
 from minillm.api import load
-from minillm.bench.native import LlamaServer, free_port, llama_server_binary
+from minillm.bench.native import LlamaServer, ServerProcess, llama_server_binary
 from minillm.bench.serve import SERVING_VARIANTS, Arrival, counted, http_clients, serving_metrics
 from minillm.runtime.generate import stream
 from minillm.text.tokenizer import Tokenizer
@@ -36,15 +37,14 @@ QUESTIONS = ["Tell me about the history of {}.", "Write a short story set in {}.
 PLACES = ["Paris", "Kyoto", "Lima", "Oslo", "Cairo", "Quebec", "Hanoi", "Nairobi"]
 
 
-class MinillmServer(LlamaServer):
-    """`python -m minillm serve` with `flags` on `gguf` at a free local port: started, awaited and stopped
-    as llama-server is (its /health answers 200 once the model is loaded and the server listens)."""
+class MinillmServer(ServerProcess):
+    """`python -m minillm serve` with `flags` on `gguf`, started, awaited and stopped as llama-server is
+    (its /health answers 200 once the model is loaded and the server listens)."""
 
-    def __init__(self, gguf, flags: list[str], threads: int, timeout: float = 600.0, host: str = "127.0.0.1"):
-        self.host, self.port, self.timeout, self.process = host, free_port(host), timeout, None
-        self.url = f"http://{host}:{self.port}"
-        self.command = ["env", f"OMP_NUM_THREADS={threads}", sys.executable, "-m", "minillm", "serve", "--model", str(gguf), "--host", host,
-                        "--port", str(self.port), "--access-log", "off", *flags]
+    def __init__(self, gguf, flags: list[str], threads: int, timeout: float = 600.0):
+        super().__init__(lambda host, port: [
+            "env", f"OMP_NUM_THREADS={threads}", sys.executable, "-m", "minillm", "serve", "--model", str(gguf),
+            "--host", host, "--port", str(port), "--access-log", "off", *flags], timeout)
 
 
 def chats(tokenizer: Tokenizer, n: int) -> list[list[int]]:
@@ -56,7 +56,7 @@ def chats(tokenizer: Tokenizer, n: int) -> list[list[int]]:
 def in_process_decode(flags: list[str], source, prompt: list[int], tokens: int) -> float:
     """Decode tokens per second of one chat on the flag set's model in this process, batch 1 (after a warm-up)."""
     quantize = flags[flags.index("--quantize") + 1] if "--quantize" in flags else None
-    llm = load(source, quantize=quantize, fast="--fast" in flags)
+    llm = load(source, quantize=quantize, fast="--fast" in flags, compile="--compile" in flags)
     for _ in stream(llm.model, llm.tokenizer, prompt[:8], max_new_tokens=2, eos_token_ids=()):
         pass
     times = [time.perf_counter() for _ in stream(llm.model, llm.tokenizer, prompt, max_new_tokens=tokens,
@@ -64,7 +64,7 @@ def in_process_decode(flags: list[str], source, prompt: list[int], tokens: int) 
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def bursts(server: LlamaServer, workloads: dict[int, list[Arrival]]) -> tuple[float, dict[int, dict]]:
+def bursts(server: ServerProcess, workloads: dict[int, list[Arrival]]) -> tuple[float, dict[int, dict]]:
     """(seconds from the server's start to ready, each burst's metrics) for a server process not yet started."""
     t0 = time.perf_counter()
     with server as url:

@@ -131,9 +131,9 @@ class EngineThread:
     def _loop(self) -> None:
         while self.running:
             self.wake.wait()
-            self._until_idle()
+            self.step_until_idle()
 
-    def _until_idle(self) -> None:
+    def step_until_idle(self) -> None:
         """Apply the commands and step while any request is unfinished, delivering each step's Outputs."""
         self.wake.clear()  # before reading the commands: a command posted after this sets it again
         self._apply_commands()
@@ -151,7 +151,7 @@ def step_here(bridge: EngineThread, serving: threading.Thread) -> None:
     lives; `bridge.here`, set before uvicorn starts, keeps `start` from starting a thread of its own."""
     while serving.is_alive():
         if bridge.wake.wait(timeout=0.25) and bridge.running:  # the timeout: notice uvicorn's end
-            bridge._until_idle()
+            bridge.step_until_idle()
 
 
 class EngineBridge(EngineThread):
