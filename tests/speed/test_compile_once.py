@@ -62,7 +62,7 @@ def engine_run(model, monkeypatch=None):
              for n in (1, 16, 3)]  # short: a packed row holds at most the model's 256 positions
     waves[0] = [system + waves[0][0]]  # computes the shared prefix (a prompt waits for one being computed)
     waves[1] = [system + p if i % 2 else p for i, p in enumerate(waves[1])]
-    waves[2].append(list(waves[1][1]))  # the same prompt again: all but its last token cached
+    waves[2].append(list(waves[1][1]))  # the same prompt again: its full blocks cached
     ids = []
     for wave in waves:
         ids += [engine.add_request(p, max_new_tokens=12, eos_token_ids=()) for p in wave]
