@@ -42,8 +42,8 @@ IMPORTED_ON_USE = {
     ("bench.peers", "llama_cpp"),  # llama.cpp, the optional peer of the decode section (pip install llama-cpp-python)
     ("bench.serve", "transformers"),  # the peers of the serve section, installed for tests and benchmarks only
     ("check.lm_eval", "lm_eval"),  # lm-evaluation-harness, imported once behind a clear ImportError (test-only)
-    ("speed.cpu_kernel", "torch.utils.cpp_extension"),
-    ("text.grammar", "jsonschema"),  # its import compiles a Lark grammar (IRI formats): 1.3 s of every start-up  # the C++ builder, loaded only to build the kernel
+    ("speed.cpu_kernel", "torch.utils.cpp_extension"),  # the C++ builder, loaded only to build the kernel
+    ("text.grammar", "jsonschema"),  # its import compiles a Lark grammar (IRI formats): 1.3 s of every start-up
     ("speed.cpu_kernel", "ninja"),  # the pip package's build tool, only where none is on PATH
     ("weights.hub", "huggingface_hub"),  # reads HF_HOME / HF_ENDPOINT when first imported
     ("weights.hub", "huggingface_hub.errors"),

@@ -22,6 +22,7 @@ T queries, n keys in a block, D head dim, N pool blocks, bs block size.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -128,7 +129,15 @@ def decode_layout(manager: BlockManager, seq_ids: list, pool_blocks: int, device
     return DecodeLayout(slots, positions[:B], block_mask, max(lengths) - 1)
 
 
-_flex_attention = torch.compile(flex_attention)  # a kernel only when compiled
+@functools.cache
+def _compiled_flex_attention():  # on first use: torch.compile imports the compiler, seconds of every start-up
+    return torch.compile(flex_attention)  # a kernel only when compiled
+
+
+def _flex_attention(*args, **kwargs):
+    return _compiled_flex_attention()(*args, **kwargs)
+
+
 _failed: dict[tuple, str] = {}  # shapes the compiler failed on, and its error: served uncompiled (exact, slower)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: its import compiles a kernel we never call (torch.compile)
 import torch
 
 from minillm.text.grammar import DFA, UnsupportedSchema, lit, schema_pattern, seq
@@ -83,11 +83,12 @@ class GuidanceConstraint:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # (1, ceil(V / 32)) int32
+        self.bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)  # (1, ceil(V / 32)) int32
+        self.words = torch.from_numpy(self.bitmask[0])  # (ceil(V / 32),) the same memory, seen by torch
 
     def mask(self) -> torch.Tensor:
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask)
-        bits = (self.bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (V / 32, 32): bit j of word i
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask)
+        bits = (self.words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (V / 32, 32): bit j of word i
         return bits.bool().flatten()[: self.vocab_size]
 
     def advance(self, token_id: int) -> None:
