@@ -17,6 +17,7 @@ import asyncio
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -395,6 +396,9 @@ async def drain(bridge: EngineBridge, gate: Gate, grace: float) -> None:
     bridge.end_all("length")
 
 
+GIL_SWITCH_S = 0.0005  # how soon a thread waiting for the GIL asks for it (CPython's default: 0.005)
+
+
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str | None = "-", **app_kwargs) -> None:
     """Run the server (on 127.0.0.1 by default) until SIGTERM or Ctrl-C, then drain it and return.
     access_log: "-" (stderr), a file, or None."""
@@ -406,10 +410,13 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, access_log: str |
     http = threading.Thread(target=server.run, name="minillm-http")  # uvicorn; the engine steps on this thread
     bridge.here = True
     handlers = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}  # (uvicorn's
-    try:  # own handlers need the main thread)
+    switch = sys.getswitchinterval()  # own handlers need the main thread)
+    sys.setswitchinterval(GIL_SWITCH_S)  # the engine gets the GIL back from the HTTP thread's Python sooner
+    try:
         http.start()
         step_here(bridge, http)
     finally:
+        sys.setswitchinterval(switch)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     if not server.started:  # uvicorn logged why (a port in use): its sys.exit(1) ended only its own thread

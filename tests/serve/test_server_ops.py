@@ -21,6 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from minillm.serve import server as server_module
 from minillm.serve.server import BackgroundServer, create_app
 from minillm.serve.ops import APIKeys, KeyLimits, TokenBucket, key_id, read_keys
 from support import serving, slow_steps, wait_until
@@ -371,3 +372,18 @@ def _up(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_serve_steps_with_a_short_gil_switch_interval_and_restores_it(llm, monkeypatch):
+    """The engine thread waits for the GIL behind the HTTP thread's Python; `serve` has CPython hand it over
+    after GIL_SWITCH_S, not the default 5 ms, while it runs, and leaves the process's setting as it found it
+    (here on a port in use: uvicorn fails at once, and serve ends with SystemExit(1))."""
+    seen, before = [], sys.getswitchinterval()
+    monkeypatch.setattr(server_module, "step_here", lambda bridge, http: seen.append(sys.getswitchinterval()) or http.join())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit) as exit_:
+            server_module.serve(llm, port=taken.getsockname()[1], access_log=None)
+    assert exit_.value.code == 1 and seen == [server_module.GIL_SWITCH_S] and server_module.GIL_SWITCH_S < before
+    assert sys.getswitchinterval() == before
