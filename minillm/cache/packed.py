@@ -40,8 +40,8 @@ class PackedLayout:
     prefill_tokens: int      # P: the decode tokens follow, one per sequence
     decode: BatchLayout | DecodeLayout | None  # the decode tokens' own layout (gathered or paged)
     decode_keys: torch.Tensor | None  # (Bd, 1, 1, S) True for a real key of a gathered decode row
-    decode_tables: torch.Tensor | None  # (Bd, W) each decode row's pool blocks (0 past its last): A4's one call
-    decode_lengths: torch.Tensor | None  # (Bd,) each decode row's tokens, its new one counted
+    decode_tables: torch.Tensor | None  # (Bd, W) each decode row's pool blocks (0 past its last); tables_only
+    decode_lengths: torch.Tensor | None  # (Bd,) each decode row's tokens, its new one counted; tables_only
     ends: torch.Tensor       # (rows,) the column of each sequence's last token: its logits are kept
     seq_ids: list            # (rows,) each row's sequence: the chunks', then the decode tokens'
 
@@ -68,16 +68,16 @@ def packed_layout(manager: BlockManager, chunks: list[tuple], decode_ids: list, 
         decode_keys = None if paged else padding_mask(decode.attention_mask)  # once, for every layer
     if decode_ids:
         lengths = [manager.num_tokens(s) for s in decode_ids]
-        tables = [manager.block_table(s) for s in decode_ids]
+        tables = [manager.block_table(s) for s in decode_ids] if tables_only else []  # read by A4's call only
         slots += [manager.slot(s, L - 1) for s, L in zip(decode_ids, lengths)]  # as in their own layout
         positions += [L - 1 for L in lengths]
         ends += range(P, P + len(decode_ids))
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     seq_ids = [s for s, _, _ in chunks] + list(decode_ids)
     width = max(map(len, tables), default=0)
-    blocks = t([table + [0] * (width - len(table)) for table in tables]) if decode_ids else None  # (Bd, W)
+    blocks = t([table + [0] * (width - len(table)) for table in tables]) if tables else None  # (Bd, W)
     return PackedLayout(t(slots), t([positions]), segments, P, decode, decode_keys, blocks,
-                        t(lengths) if decode_ids else None, t(ends), seq_ids)
+                        t(lengths) if tables else None, t(ends), seq_ids)
 
 
 class GatheredDecodeView(PagedView):
@@ -120,7 +120,7 @@ class PackedView:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k, v (1, Hkv, N, D) -> (1, H, N, D): each chunk causal over its own keys."""
-        if self.decode_rows is not None and self.decode is None:  # packed_layout(tables_only=True)
+        if self.layout.decode_tables is not None:  # packed_layout(tables_only=True): no view of the decode rows
             raise RuntimeError("PackedView: this step was laid out for a model that reads the block tables itself")
         blocks, bs, Hkv, D = self.cache.k.shape
         P, outs = self.layout.prefill_tokens, []
