@@ -197,3 +197,21 @@ def test_lora_rows_still_run_padded(monkeypatch):
     manager.allocate(0, a.token_ids), manager.allocate(1, b.token_ids)
     logits = forward_step(model, make_paged_cache(model.config, 9, 4), manager, [(a, 6), (b, 0)], 32)
     assert calls == [1, 1] and logits.shape == (2, 7)
+
+
+def test_only_a_tables_only_layout_carries_block_tables_and_it_cannot_be_attended():
+    """packed_layout builds the decode rows' block tables only when asked (A4's one call reads them); a view
+    of such a layout hands them over as decode_rows and refuses `attend`, which it laid out nothing for."""
+    manager, pool = BlockManager(8, 4), make_paged_cache(from_folder(DATA / "tiny-llama").config, 9, 4)
+    for s, prompt in ((0, [3, 1, 4, 1, 5]), (1, [9, 2])):
+        manager.allocate(s, prompt)
+    plain = packed_layout(manager, [], [0, 1], 9)
+    assert plain.decode_tables is None and packed_module.PackedView(pool[0], plain).decode_rows is None
+    layout = packed_layout(manager, [], [0, 1], 9, tables_only=True)
+    assert layout.decode is None and layout.decode_lengths.tolist() == [5, 2]
+    assert layout.decode_tables.tolist() == [manager.block_table(0), manager.block_table(1) + [0]]
+    view = packed_module.PackedView(pool[0], layout)
+    assert view.decode_rows.tables is layout.decode_tables
+    q, kv = torch.zeros(1, 4, 2, 16), torch.zeros(1, 2, 2, 16)  # refused before any shape is read
+    with pytest.raises(RuntimeError, match="reads the block tables itself"):
+        view.attend(q, kv, kv)
