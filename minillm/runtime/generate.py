@@ -175,12 +175,9 @@ def stream(model: CausalLM, tokenizer: Tokenizer, prompt_ids: Sequence[int],
            params: SamplingParams = SamplingParams(temperature=0), max_new_tokens: int = 256,
            stop: Sequence[str] = (), eos_token_ids: Sequence[int] | None = None, constraint=None,
            cache_factory=make_cache) -> Iterator[Step]:
-    """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics.
-
-    After the set-up (`cache_factory` makes the cache; a hybrid model's: notebook 22): prefill the prompt
-    into `cache` at position 0, then until `text_stream.push` gives a finish reason, sample (after
-    `apply_constraints` for a `constraint`), push the token, decode it at its position. Metrics:
-    `generation_metrics` of `synchronized_time(device)` at the start, the prefill, the first token, the end."""
+    """Generate after prompt_ids, yielding a Step per token; the last Step has finish_reason and metrics
+    (`generation_metrics` of `synchronized_time` at the start, the prefill, the first token and the end).
+    `cache_factory` makes the cache (a hybrid model's: notebook 22); `constraint`: notebook 14's hook."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
     prompt_ids = validate_prompt(prompt_ids, max_new_tokens, context, model.config.vocab_size, params)
